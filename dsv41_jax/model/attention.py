@@ -1,0 +1,297 @@
+"""Attention of one V4.1 layer: low-rank q, shared K=V latent, sliding window, compressed KV
+(kv-source compressor), lightning indexer with the two-level candidate filter, sink softmax,
+grouped output projection.
+
+Every call processes a chunk of tokens at absolute positions ``pos`` against a per-layer cache
+(window ring, compressor partial group, compressed KV and index keys), so one-shot prefill,
+chunked prefill and single-token decode all run the same code. Cross-layer sharing (consumers
+read the latest kv source's compressed KV / index keys and the latest index source's top-k and
+candidate mask) goes through the ``ctx`` dict of the current forward.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax.config import LayerPlan, TextConfig
+from dsv41_jax.model.layers import HIGHEST, Linear, RMSNorm
+from dsv41_jax.model.rope import layer_inv_freq, rope_tail
+from dsv41_jax.numerics import Numerics
+from dsv41_jax import quant
+
+F32 = jnp.float32
+NEG_INF = -jnp.inf
+
+
+def _scatter_rows(buf, idx, vals):
+    """buf [B, T, ...] .at[b, idx[b, j]].set(vals[b, j]); out-of-range idx (e.g. T) are dropped."""
+    b = jnp.arange(buf.shape[0])[:, None]
+    return buf.at[b, idx].set(vals.astype(buf.dtype), mode="drop")
+
+
+def select_candidate_blocks(score, n_vis, topk_blocks: int, block: int):
+    """Level one of the two-level top-k: keep the best ``topk_blocks`` blocks (block score = max
+    over its positions), with the query's newest block forced in. score [..., T], n_vis [...]."""
+    T = score.shape[-1]
+    pad = (-T) % block
+    s = jnp.pad(score, [(0, 0)] * (score.ndim - 1) + [(0, pad)], constant_values=NEG_INF) if pad else score
+    blocks = jnp.max(s.reshape(*s.shape[:-1], -1, block), axis=-1)
+    nb = blocks.shape[-1]
+    last = jnp.floor_divide(n_vis - 1, block)
+    blocks = jnp.where(jnp.arange(nb) == last[..., None], jnp.inf, blocks)
+    kb = min(topk_blocks, nb)
+    vals, idx = jax.lax.top_k(blocks, kb)
+    keep = jnp.zeros(blocks.shape, bool)
+    onehot = jax.nn.one_hot(idx, nb, dtype=bool) & (vals > NEG_INF)[..., None]
+    keep = keep | jnp.any(onehot, axis=-2)
+    return jnp.repeat(keep, block, axis=-1)[..., :T]
+
+
+class Compressor(nnx.Module):
+    """kv-source compressor: ratio 1 = plain projection; ratio 2 = fp32 softmax-gated pooling."""
+
+    def __init__(self, cfg: TextConfig, ratio: int, numerics: Numerics):
+        self.ratio = ratio
+        self.numerics = numerics
+        D, d = cfg.hidden_size, cfg.head_dim
+        pd = F32 if ratio > 1 else numerics.dtype
+        self.wkv = Linear(D, d, numerics=numerics, param_dtype=pd)
+        self.wgate = Linear(D, d, numerics=numerics, param_dtype=pd) if ratio > 1 else None
+        self.norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=numerics.dtype)
+
+    def __call__(self, x, pos, valid, state):
+        """Returns (latent [B,G,d] pre-RoPE, group ids [B,G], complete [B,G], new state)."""
+        m = self.ratio
+        dt = self.numerics.dtype
+        if m == 1:
+            lat = self.norm(self.wkv(x))
+            return lat, pos, valid, state
+        B, S, _ = x.shape
+        x32 = x.astype(F32)
+        kv = self.wkv(x32, out_dtype=F32, compute_dtype=F32)
+        sc = self.wgate(x32, out_dtype=F32, compute_dtype=F32)
+        d = kv.shape[-1]
+        NG = (S + 2 * m - 2) // m
+        p0 = pos[:, 0]
+        base = p0 // m
+        gi = jnp.where(valid, pos // m - base[:, None], NG)
+        slot = pos % m
+        st_kv, st_sc = state
+        tab_kv = jnp.zeros((B, NG, m, d), F32).at[:, 0].set(st_kv)
+        tab_sc = jnp.full((B, NG, m, d), NEG_INF, F32).at[:, 0].set(st_sc)
+        bi = jnp.arange(B)[:, None]
+        tab_kv = tab_kv.at[bi, gi, slot].set(kv, mode="drop")
+        tab_sc = tab_sc.at[bi, gi, slot].set(sc, mode="drop")
+        last = jnp.max(jnp.where(valid, pos, -1), axis=1)
+        gids = base[:, None] + jnp.arange(NG)[None]
+        complete = (gids + 1) * m - 1 <= last[:, None]
+        w = jax.nn.softmax(jnp.where(complete[..., None, None], tab_sc, 0.0), axis=2)
+        pooled = jnp.sum(tab_kv * w, axis=2)
+        lat = self.norm(pooled.astype(dt))
+        nxt = jnp.clip((last + 1) // m - base, 0, NG - 1)
+        any_valid = last >= 0
+        new_kv = jnp.where(any_valid[:, None, None], tab_kv[jnp.arange(B), nxt], st_kv)
+        new_sc = jnp.where(any_valid[:, None, None], tab_sc[jnp.arange(B), nxt], st_sc)
+        return lat, gids, complete, (new_kv, new_sc)
+
+
+class Indexer(nnx.Module):
+    """Lightning indexer of an index-source layer (+ the index-key projection on kv sources)."""
+
+    def __init__(self, cfg: TextConfig, plan: LayerPlan, numerics: Numerics, owns_k: bool, has_query: bool):
+        self.numerics = numerics
+        self.n_heads, self.head_dim = cfg.index_n_heads, cfg.index_head_dim
+        dt = numerics.dtype
+        if has_query:
+            self.wq_b = Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, numerics=numerics)
+            self.weights_proj = Linear(cfg.hidden_size, cfg.index_n_heads, numerics=numerics)
+        else:
+            self.wq_b = self.weights_proj = None
+        if owns_k:
+            self.wk = Linear(cfg.head_dim, cfg.index_head_dim, numerics=numerics)
+            self.k_norm = RMSNorm(cfg.index_head_dim, cfg.rms_norm_eps, param_dtype=dt)
+        else:
+            self.wk = self.k_norm = None
+
+    def keys(self, latent):
+        return self.k_norm(self.wk(latent))
+
+    def scores(self, x, qr, pos, index_k, freqs):
+        """Raw scores [B,S,T] (before any masking) of the chunk's queries against ``index_k``."""
+        dt = self.numerics.dtype
+        B, S, _ = x.shape
+        q = self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim)
+        q = rope_tail(q, pos[..., None], freqs)
+        if self.numerics.fake_quant:
+            q = quant.fq_fp4_e8(q, 32)
+        w = (self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)).astype(dt)
+        s = jnp.einsum("bshd,btd->bsht", q, index_k.astype(dt), precision=HIGHEST, preferred_element_type=F32).astype(dt)
+        s = (jnp.maximum(s, 0) * w[..., None]).astype(dt)
+        return jnp.sum(s.astype(F32), axis=2).astype(dt)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: TextConfig, plan: LayerPlan, numerics: Numerics):
+        self.cfg_rope_dim = cfg.qk_rope_head_dim
+        self.plan = plan
+        self.numerics = numerics
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.n_groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        self.window = cfg.sliding_window
+        self.index_topk = cfg.index_topk
+        self.cand_blocks, self.cand_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
+        self.freqs = tuple(float(f) for f in layer_inv_freq(cfg, plan.ratio))
+        D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        dt = numerics.dtype
+        self.attn_sink = nnx.Param(jnp.zeros((H,), F32))
+        self.wq_a = Linear(D, cfg.q_lora_rank, numerics=numerics)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, param_dtype=dt)
+        self.wq_b = Linear(cfg.q_lora_rank, H * d, numerics=numerics)
+        self.wkv = Linear(D, d, numerics=numerics)
+        self.kv_norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=dt)
+        self.wo_a = Linear(H * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, numerics=numerics)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, D, numerics=numerics)
+        self.compressor = Compressor(cfg, plan.ratio, numerics) if plan.owns_compressor else None
+        if plan.owns_compressor or plan.owns_indexer:
+            self.indexer = Indexer(cfg, plan, numerics, owns_k=plan.owns_compressor, has_query=plan.owns_indexer)
+        else:
+            self.indexer = None
+
+    # ------------------------------------------------------------------ pieces
+    def _freqs(self):
+        return jnp.asarray(self.freqs, F32)
+
+    def _publish_compressed(self, x, pos, valid, cache, ctx, capture):
+        """kv source: compress this chunk, write entries and index keys, publish them in ctx."""
+        m = self.plan.ratio
+        freqs = self._freqs()
+        state = (cache["st_kv"], cache["st_score"]) if m > 1 else None
+        lat, gids, ok, state = self.compressor(x, pos, valid, state)
+        T = cache["cmp_kv"].shape[1]
+        widx = jnp.where(ok, gids, T)
+        gpos = gids * m
+        k = self.indexer.keys(lat)
+        k = rope_tail(k, gpos, freqs)
+        if self.numerics.fake_quant:
+            k = quant.fq_fp4_e8(k, 32)
+        ent = rope_tail(lat, gpos, freqs)
+        if self.numerics.fake_quant:
+            ent = quant.fq_fp4_e4(ent, 16)
+        cache = dict(cache)
+        cache["cmp_kv"] = _scatter_rows(cache["cmp_kv"], widx, ent)
+        cache["idx_k"] = _scatter_rows(cache["idx_k"], widx, k)
+        if m > 1:
+            cache["st_kv"], cache["st_score"] = state
+        ctx = dict(ctx, cmp_kv=cache["cmp_kv"], idx_k=cache["idx_k"])
+        if capture is not None:
+            capture["compress_kv"] = cache["cmp_kv"]
+            capture["index_k"] = cache["idx_k"]
+        return cache, ctx
+
+    def _select(self, x, qr, pos, ctx, capture):
+        """index source: score, candidate filter, top-k; publishes topk (and candidates)."""
+        m = self.plan.ratio
+        idx_k = ctx["idx_k"]
+        T = idx_k.shape[1]
+        n_vis = (pos + 1) // m
+        s = self.indexer.scores(x, qr, pos, idx_k, self._freqs())
+        tmask = jnp.arange(T) >= n_vis[..., None]
+        s = jnp.where(tmask, NEG_INF, s)
+        ctx = dict(ctx)
+        if self.plan.is_candidate_source:
+            cand = select_candidate_blocks(s, n_vis, self.cand_blocks, self.cand_block_size)
+            ctx["cand"] = cand
+            if capture is not None:
+                capture["candidates"] = cand
+        elif self.plan.uses_candidates:
+            s = jnp.where(ctx["cand"], s, NEG_INF)
+        k = min(self.index_topk, T)
+        _, idx = jax.lax.top_k(s, k)
+        idx = jnp.sort(idx, axis=-1)
+        idx = jnp.where(idx < n_vis[..., None], idx, -1).astype(jnp.int32)
+        ctx["topk"] = idx
+        if capture is not None:
+            capture["topk_idxs"] = idx
+        return ctx
+
+    def _sparse_attn(self, q, kw, kw_ok, kc, kc_ok):
+        """Softmax over window keys + selected compressed entries (K = V), sink in the denominator."""
+        dt = self.numerics.dtype
+        scale = self.head_dim ** -0.5
+        qf = q.astype(F32)
+        lw = jnp.einsum("bshd,bsjd->bshj", qf, kw.astype(F32), precision=HIGHEST) if kw.ndim == 4 else \
+            jnp.einsum("bshd,bjd->bshj", qf, kw.astype(F32), precision=HIGHEST)
+        lw = jnp.where(kw_ok[:, :, None, :], lw * scale, NEG_INF)
+        parts, vals = [lw], [kw]
+        if kc is not None:
+            lc = jnp.einsum("bshd,bskd->bshk", qf, kc.astype(F32), precision=HIGHEST)
+            lc = jnp.where(kc_ok[:, :, None, :], lc * scale, NEG_INF)
+            parts.append(lc)
+        mx = jnp.maximum(jnp.max(jnp.concatenate(parts, -1), axis=-1), -1e30)
+        sink = self.attn_sink[...].astype(F32)
+        pw = jnp.exp(lw - mx[..., None])
+        den = jnp.sum(pw, -1)
+        if dt != F32:
+            pw = pw.astype(dt).astype(F32)
+        o = jnp.einsum("bshj,bjd->bshd", pw, kw.astype(F32), precision=HIGHEST)
+        if kc is not None:
+            pc = jnp.exp(lc - mx[..., None])
+            den = den + jnp.sum(pc, -1)
+            if dt != F32:
+                pc = pc.astype(dt).astype(F32)
+            o = o + jnp.einsum("bshk,bskd->bshd", pc, kc.astype(F32), precision=HIGHEST)
+        den = den + jnp.exp(sink - mx)
+        return (o / den[..., None]).astype(dt)
+
+    # ------------------------------------------------------------------ forward
+    def __call__(self, x, pos, valid, cache, ctx, capture=None):
+        """x [B,S,D] (normed), pos [B,S] int32 absolute positions, valid [B,S] bool.
+
+        Returns (out [B,S,D], new layer cache, new ctx)."""
+        dt = self.numerics.dtype
+        B, S, _ = x.shape
+        H, d, W = self.n_heads, self.head_dim, self.window
+        freqs = self._freqs()
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).reshape(B, S, H, d)
+        q = rope_tail(q, pos[..., None], freqs)
+        kv = self.kv_norm(self.wkv(x))
+        kv = rope_tail(kv, pos, freqs)
+        if self.numerics.fake_quant:
+            kv = quant.fq_fp8(kv, 32)
+
+        # window keys: the ring (positions before this chunk) followed by this chunk
+        cpos = jnp.where(valid, pos, -1)
+        kw = jnp.concatenate([cache["win_kv"].astype(dt), kv], axis=1)
+        kpos = jnp.concatenate([cache["win_pos"], cpos], axis=1)
+        qi = pos[:, :, None]
+        kw_ok = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= qi) & (kpos[:, None, :] > qi - W)
+
+        cache = dict(cache)
+        kc = kc_ok = None
+        if self.plan.ratio > 0:
+            if self.plan.owns_compressor:
+                cache, ctx = self._publish_compressed(x, pos, valid, cache, ctx, capture)
+            if self.plan.owns_indexer:
+                ctx = self._select(x, qr, pos, ctx, capture)
+            idx = ctx["topk"]
+            cmp_kv = ctx["cmp_kv"]
+            kc = cmp_kv[jnp.arange(B)[:, None, None], jnp.maximum(idx, 0)]
+            kc_ok = idx >= 0
+
+        o = self._sparse_attn(q, kw, kw_ok, kc, kc_ok)
+        o = rope_tail(o, pos[..., None], freqs, inverse=True)
+        G = self.n_groups
+        wo_a = self.wo_a.weight[...].reshape(G, self.o_rank, -1)
+        o = jnp.einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1).astype(dt), wo_a.astype(dt), precision=HIGHEST,
+                       preferred_element_type=F32).astype(dt)
+        out = self.wo_b(o.reshape(B, S, G * self.o_rank))
+
+        # ring update: the last W valid tokens of the chunk, slot = pos mod W
+        last = jnp.max(cpos, axis=1)
+        keep = valid & (pos > last[:, None] - W)
+        slot = jnp.where(keep, pos % W, W)
+        cache["win_kv"] = _scatter_rows(cache["win_kv"], slot, kv)
+        cache["win_pos"] = _scatter_rows(cache["win_pos"], slot, pos)
+        return out, cache, ctx

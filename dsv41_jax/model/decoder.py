@@ -1,0 +1,56 @@
+"""One V4.1 block: (Engram) -> mHC attention site -> mHC FFN site, with the delayed pre-mix."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax.config import LayerPlan, TextConfig
+from dsv41_jax.model.attention import Attention
+from dsv41_jax.model.engram import Engram
+from dsv41_jax.model.layers import RMSNorm
+from dsv41_jax.model.mhc import hc_mixes, hc_post, hc_pre
+from dsv41_jax.model.moe import MoE
+from dsv41_jax.numerics import Numerics
+
+F32 = jnp.float32
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: TextConfig, plan: LayerPlan, numerics: Numerics, *, vision: bool = False,
+                 engram_quantized: bool = False):
+        self.plan = plan
+        self.numerics = numerics
+        n, D = cfg.hc_mult, cfg.hidden_size
+        self.hc = dict(hc_mult=n, iters=cfg.hc_sinkhorn_iters, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+        mix = cfg.hc_mix
+        self.hc_attn_fn = nnx.Param(jnp.zeros((mix, n * D), F32))
+        self.hc_attn_base = nnx.Param(jnp.zeros((mix,), F32))
+        self.hc_attn_scale = nnx.Param(jnp.ones((3,), F32))
+        self.hc_ffn_fn = nnx.Param(jnp.zeros((mix, n * D), F32))
+        self.hc_ffn_base = nnx.Param(jnp.zeros((mix,), F32))
+        self.hc_ffn_scale = nnx.Param(jnp.ones((3,), F32))
+        self.attn_norm = RMSNorm(D, cfg.rms_norm_eps, param_dtype=numerics.dtype)
+        self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps, param_dtype=numerics.dtype)
+        self.attn = Attention(cfg, plan, numerics)
+        self.ffn = MoE(cfg, numerics, vision)
+        self.engram = (Engram(cfg, cfg.engram_num_embeddings[plan.engram_slot], numerics, engram_quantized)
+                       if plan.has_engram else None)
+
+    def __call__(self, h, pre_in, pos, valid, cache, ctx, *, image_mask=None, engram_hashes=None,
+                 engram_mask=None, capture=None):
+        """h [B,S,n,D] stream entering the layer (before Engram); pre_in [B,S,n] fp32.
+
+        Returns (h_out, pre_out, cache, ctx)."""
+        if self.engram is not None:
+            h = self.engram(h, engram_hashes, engram_mask)
+            if capture is not None:
+                capture["engram_out"] = h
+        pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn[...], self.hc_attn_scale[...], self.hc_attn_base[...], **self.hc)
+        x = self.attn_norm(hc_pre(h, pre_in))
+        a, cache, ctx = self.attn(x, pos, valid, cache, ctx, capture)
+        h = hc_post(a, h, post_a, comb_a)
+        pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn[...], self.hc_ffn_scale[...], self.hc_ffn_base[...], **self.hc)
+        x = self.ffn_norm(hc_pre(h, pre_a))
+        f = self.ffn(x, image_mask, capture)
+        h = hc_post(f, h, post_f, comb_f)
+        return h, pre_f, cache, ctx

@@ -1,0 +1,47 @@
+"""Manifold-constrained hyper-connections: coefficients (fp32 Sinkhorn), collapse and expansion."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.model.layers import HIGHEST
+
+F32 = jnp.float32
+
+
+def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, hc_eps: float):
+    """h: [..., n, D] stream -> (pre [..., n], post [..., n], comb [..., n, n]), all fp32.
+
+    One RMS statistic per token over the flattened n*D stream; Sinkhorn = row softmax (+eps),
+    one column normalisation, then iters-1 (row, column) pairs.
+    """
+    n = hc_mult
+    x = h.reshape(*h.shape[:-2], -1).astype(F32)
+    rs = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
+    m = jnp.einsum("...i,oi->...o", x, fn.astype(F32), precision=HIGHEST, preferred_element_type=F32) * rs
+    scale, base = scale.astype(F32), base.astype(F32)
+    pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
+    post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+    c = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
+    c = jnp.exp(c - jnp.max(c, axis=-1, keepdims=True))
+    c = c / jnp.sum(c, axis=-1, keepdims=True) + hc_eps
+    c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+
+    def body(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
+
+    c = jax.lax.fori_loop(0, iters - 1, body, c)
+    return pre, post, c
+
+
+def hc_pre(h, mix):
+    """Collapse [..., n, D] with weights [..., n] (fp32 sum), cast to the stream dtype."""
+    return jnp.sum(mix[..., None].astype(F32) * h.astype(F32), axis=-2).astype(h.dtype)
+
+
+def hc_post(y, residual, post, comb):
+    """out_k = post_k * y + sum_j comb[j, k] * residual_j, fp32, cast to y.dtype."""
+    out = post[..., :, None] * y[..., None, :].astype(F32) + jnp.sum(
+        comb[..., :, :, None] * residual[..., :, None, :].astype(F32), axis=-3)
+    return out.astype(y.dtype)

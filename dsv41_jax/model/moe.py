@@ -1,0 +1,144 @@
+"""MoE FFN: sqrt-softplus router (fp32 logits, selection-only bias, ``bias_vl`` on image-span
+positions), clamped SwiGLU experts with the route weight applied before ``w2``, one shared
+expert, fp32 accumulation."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsv41_jax.config import TextConfig
+from dsv41_jax.model.layers import HIGHEST, Linear, matmul
+from dsv41_jax.numerics import Numerics
+from dsv41_jax import quant
+
+F32 = jnp.float32
+
+
+def swiglu(g, u, limit: float):
+    g, u = g.astype(F32), u.astype(F32)
+    if limit > 0:
+        u = jnp.clip(u, -limit, limit)
+        g = jnp.minimum(g, limit)
+    return jax.nn.silu(g) * u
+
+
+class Gate(nnx.Module):
+    def __init__(self, cfg: TextConfig, numerics: Numerics, vision: bool):
+        E, D = cfg.n_routed_experts, cfg.hidden_size
+        self.k = cfg.num_experts_per_tok
+        self.temp = cfg.gate_temp
+        self.norm_topk = cfg.norm_topk_prob
+        self.route_scale = cfg.routed_scaling_factor
+        self.weight = nnx.Param(jnp.zeros((E, D), numerics.dtype))
+        self.bias = nnx.Param(jnp.zeros((E,), F32))
+        self.bias_vl = nnx.Param(jnp.zeros((E,), F32)) if vision else None
+
+    def __call__(self, x, image_mask=None):
+        """x [..., D] -> (weights [..., k] fp32, ids [..., k] int32), ids sorted by biased score."""
+        z = matmul(x, self.weight[...], F32, compute_dtype=F32)
+        if self.temp != 1.0:
+            z = z / self.temp
+        s = jnp.sqrt(jax.nn.softplus(z))
+        b = self.bias[...]
+        if image_mask is not None and self.bias_vl is not None:
+            b = jnp.where(image_mask[..., None], self.bias_vl[...], b)
+        _, ids = jax.lax.top_k(s + b, self.k)
+        w = jnp.take_along_axis(s, ids, axis=-1)
+        if self.norm_topk and self.k > 1:
+            w = w / (jnp.sum(w, -1, keepdims=True) + 1e-20)
+        return w * self.route_scale, ids.astype(jnp.int32)
+
+
+class Expert(nnx.Module):
+    """Shared expert (a plain SwiGLU FFN)."""
+
+    def __init__(self, D: int, I: int, limit: float, numerics: Numerics):
+        self.limit = limit
+        self.numerics = numerics
+        self.w1 = Linear(D, I, numerics=numerics)
+        self.w2 = Linear(I, D, numerics=numerics)
+        self.w3 = Linear(D, I, numerics=numerics)
+
+    def __call__(self, x):
+        h = swiglu(self.w1(x), self.w3(x), self.limit)
+        return self.w2(h.astype(x.dtype))
+
+
+class StackedWeight(nnx.Module):
+    """One routed-expert projection for all experts: ``weight`` [E, out, in]."""
+
+    def __init__(self, E: int, out_f: int, in_f: int, dtype):
+        self.weight = nnx.Param(jnp.zeros((E, out_f, in_f), dtype))
+
+
+class Experts(nnx.Module):
+    def __init__(self, cfg: TextConfig, numerics: Numerics):
+        E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.numerics = numerics
+        self.quantized = False  # set by the loader when the checkpoint stores fp4/fp8 experts
+        self.w1 = StackedWeight(E, I, D, numerics.dtype)
+        self.w2 = StackedWeight(E, D, I, numerics.dtype)
+        self.w3 = StackedWeight(E, I, D, numerics.dtype)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: TextConfig, numerics: Numerics, vision: bool):
+        self.numerics = numerics
+        self.limit = cfg.swiglu_limit
+        self.n_experts = cfg.n_routed_experts
+        self.gate = Gate(cfg, numerics, vision)
+        self.experts = Experts(cfg, numerics)
+        self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, numerics)
+
+    def _aq(self, x):
+        if self.experts.quantized and self.numerics.fake_quant:
+            return quant.act_quant_fp8(x.astype(F32), 32), F32
+        return x, self.numerics.dtype
+
+    def routed_dense(self, x, w, ids):
+        """Every expert on every token, weights zero off the selection (exact; small E or T)."""
+        dt = self.numerics.dtype
+        full = jnp.sum(jax.nn.one_hot(ids, self.n_experts, dtype=F32) * w[..., None], axis=-2)  # [T, E]
+        xa, cd = self._aq(x)
+        ex = self.experts
+        g = jnp.einsum("td,eid->tei", xa.astype(cd), ex.w1.weight[...].astype(cd), precision=HIGHEST,
+                       preferred_element_type=F32).astype(dt)
+        u = jnp.einsum("td,eid->tei", xa.astype(cd), ex.w3.weight[...].astype(cd), precision=HIGHEST,
+                       preferred_element_type=F32).astype(dt)
+        h = (full[..., None] * swiglu(g, u, self.limit)).astype(dt)
+        ha, cd = self._aq(h)
+        y = jnp.einsum("tei,edi->ted", ha.astype(cd), ex.w2.weight[...].astype(cd), precision=HIGHEST,
+                       preferred_element_type=F32).astype(dt)
+        return jnp.sum(y.astype(F32), axis=1)
+
+    def routed_gather(self, x, w, ids):
+        """Gather only the selected experts' weights per token (decode: few tokens)."""
+        dt = self.numerics.dtype
+        ex = self.experts
+        xa, cd = self._aq(x)
+        w1 = ex.w1.weight[...][ids]  # [T, k, I, D]
+        w3 = ex.w3.weight[...][ids]
+        w2 = ex.w2.weight[...][ids]  # [T, k, D, I]
+        g = jnp.einsum("td,tkid->tki", xa.astype(cd), w1.astype(cd), precision=HIGHEST, preferred_element_type=F32).astype(dt)
+        u = jnp.einsum("td,tkid->tki", xa.astype(cd), w3.astype(cd), precision=HIGHEST, preferred_element_type=F32).astype(dt)
+        h = (w[..., None] * swiglu(g, u, self.limit)).astype(dt)
+        ha, cd = self._aq(h)
+        y = jnp.einsum("tki,tkdi->tkd", ha.astype(cd), w2.astype(cd), precision=HIGHEST, preferred_element_type=F32).astype(dt)
+        return jnp.sum(y.astype(F32), axis=1)
+
+    def __call__(self, x, image_mask=None, capture=None):
+        shape = x.shape
+        xt = x.reshape(-1, shape[-1])
+        im = None if image_mask is None else image_mask.reshape(-1)
+        w, ids = self.gate(xt, im)
+        if capture is not None:
+            capture["moe_topk"] = ids.reshape(*shape[:-1], -1)
+            capture["moe_weights"] = w.reshape(*shape[:-1], -1)
+        T = xt.shape[0]
+        if T * w.shape[-1] < self.n_experts:
+            y = self.routed_gather(xt, w, ids)
+        else:
+            y = self.routed_dense(xt, w, ids)
+        y = y + self.shared_experts(xt).astype(F32)
+        return y.astype(x.dtype).reshape(shape)

@@ -1,0 +1,312 @@
+"""DeepSeek-V4.1 vision tower (ViT) and ``encode_images``: processed images -> span embeddings.
+
+ViT (checkpoint names under ``vision.``): a linear patch embedding with bias, pre-norm blocks
+(fp32 RMSNorm eps 1e-6, fused qkv with bias split q|k|v, 2-D half-split RoPE, full
+bidirectional attention within one image, SwiGLU with the gate as the first half of ``w1``)
+and a final RMSNorm.
+
+Batching: images are padded to a bucketed patch count and stacked; the padded keys are masked
+out of the attention (padded queries compute garbage that nothing reads), so the padding does
+not change any real output. Images with the same bucket run in one jitted call.
+
+Dtype flow (docs/vision.md): every Linear accumulates in fp32 and rounds once to the compute
+dtype (bias included); norms, RoPE, softmax, SiLU and GELU compute in fp32 and round once;
+the attention upcasts q, k, v to fp32 (torch's math SDPA) and rounds its output once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dsv41_jax.config import VisionConfig
+from dsv41_jax.model.aligner import Aligner, merge_index
+from dsv41_jax.model.layers import F32, HIGHEST, Linear, RMSNorm
+from dsv41_jax.model.span import gather_spans, image_vector_table, span_gather_index
+from dsv41_jax.numerics import Numerics
+from dsv41_jax.processor import ProcessedImage
+
+
+def _linear(lin: Linear, x, cd):
+    """One GEMM in the compute dtype with fp32 accumulation, bias added in fp32, rounded once."""
+    return lin(x, out_dtype=F32, compute_dtype=cd).astype(cd)
+
+
+def rope_tables(rows, cols, rope_dim: int, theta: float):
+    """cos/sin [..., 1, rope_dim] (fp32) for patches at (rows, cols): the first half of the
+    angles is ``row * w_t``, the second ``col * w_t``, ``w_t = theta^(-2t/rope_dim)``."""
+    inv = 1.0 / (np.float32(theta) ** (np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim)))
+    inv = jnp.asarray(inv.astype(np.float32))
+    ang = jnp.concatenate([rows.astype(F32)[..., None] * inv, cols.astype(F32)[..., None] * inv], axis=-1)
+    return jnp.cos(ang)[..., None, :], jnp.sin(ang)[..., None, :]
+
+
+def apply_rope(x, cos, sin):
+    """Half-split rotation of x [..., H, hd] in fp32, cast back to x.dtype."""
+    x1, x2 = jnp.split(x.astype(F32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(q, k, v, key_mask, q_block: int = 0):
+    """Bidirectional softmax attention over the valid keys of each image, in fp32.
+
+    q, k, v: [B, N, H, hd] (any dtype); key_mask: [B, N] bool. As torch's math SDPA, q and k
+    are each scaled by sqrt(hd^-0.5) before the product. Queries are processed in blocks of
+    ``q_block`` rows when that divides N (rows are independent, so this only bounds memory).
+    """
+    b, n, h, d = q.shape
+    s = np.float32(math.sqrt(1.0 / math.sqrt(d)))
+    kf = k.astype(F32) * s
+    vf = v.astype(F32)
+    keep = key_mask[:, None, None, :]
+
+    def rows(qb):
+        logits = jnp.einsum("bqhd,bkhd->bhqk", qb, kf, precision=HIGHEST)
+        p = jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, vf, precision=HIGHEST)
+
+    qf = q.astype(F32) * s
+    if q_block and n > q_block and n % q_block == 0:
+        qs = jnp.moveaxis(qf.reshape(b, n // q_block, q_block, h, d), 1, 0)
+        return jnp.moveaxis(jax.lax.map(rows, qs), 0, 1).reshape(b, n, h, d)
+    return rows(qf)
+
+
+class PatchEmbed(nnx.Module):
+    def __init__(self, cfg: VisionConfig, numerics: Numerics):
+        self.proj = Linear(3 * cfg.patch_size ** 2, cfg.hidden_size, numerics=numerics, bias=True)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: VisionConfig, numerics: Numerics):
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.wqkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size, numerics=numerics, bias=True)
+        self.wo = Linear(cfg.hidden_size, cfg.hidden_size, numerics=numerics, bias=True)
+
+    def __call__(self, x, cos, sin, key_mask, cd, q_block: int = 0):
+        b, n, _ = x.shape
+        q, k, v = (t.reshape(b, n, self.n_heads, self.head_dim) for t in jnp.split(_linear(self.wqkv, x, cd), 3, axis=-1))
+        o = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, key_mask, q_block).astype(cd)
+        return _linear(self.wo, o.reshape(b, n, -1), cd)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: VisionConfig, numerics: Numerics):
+        self.w1 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, numerics=numerics)
+        self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, numerics=numerics)
+
+    def __call__(self, x, cd):
+        gate, up = jnp.split(_linear(self.w1, x, cd), 2, axis=-1)
+        act = jax.nn.silu(gate.astype(F32)).astype(cd)
+        return _linear(self.w2, (act.astype(F32) * up.astype(F32)).astype(cd), cd)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: VisionConfig, numerics: Numerics):
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, numerics)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, numerics)
+
+    def __call__(self, x, cos, sin, key_mask, cd, q_block: int = 0):
+        x = (x.astype(F32) + self.attn(self.norm1(x), cos, sin, key_mask, cd, q_block).astype(F32)).astype(cd)
+        return (x.astype(F32) + self.mlp(self.norm2(x), cd).astype(F32)).astype(cd)
+
+
+class ViT(nnx.Module):
+    """patches [B, N, 3, p, p] (or [B, N, 3*p*p]) at grid positions (rows, cols) -> [B, N, C]."""
+
+    def __init__(self, cfg: VisionConfig, *, numerics: Numerics):
+        self.cfg = cfg
+        self.numerics = numerics
+        self.patch_embed = PatchEmbed(cfg, numerics)
+        self.blocks = nnx.List([Block(cfg, numerics) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def __call__(self, patches, rows, cols, n_valid, q_block: int = 0):
+        """rows/cols: [B, N] int32 patch grid position; n_valid: [B] real patches per image
+        (keys at index >= n_valid are masked)."""
+        cd = self.numerics.dtype
+        b, n = patches.shape[:2]
+        x = _linear(self.patch_embed.proj, patches.reshape(b, n, -1).astype(cd), cd)
+        cos, sin = rope_tables(rows, cols, self.cfg.head_dim // 2, self.cfg.rope_theta)
+        key_mask = jnp.arange(n)[None, :] < n_valid[:, None]
+        for block in self.blocks:
+            x = block(x, cos, sin, key_mask, cd, q_block)
+        return self.norm(x)
+
+
+def build_vision(cfg: VisionConfig, out_dim: int, numerics: Numerics) -> tuple[ViT, Aligner]:
+    """A zero-initialised (ViT, Aligner) pair; fill it with ``load_vision_weights`` or assign_params."""
+    return ViT(cfg, numerics=numerics), Aligner(cfg, out_dim, numerics=numerics)
+
+
+def load_vision_weights(vision: ViT, aligner: Aligner, ckpt) -> None:
+    """Fill both modules from a Checkpoint (original names ``vision.*`` and ``aligner.*``)."""
+    from dsv41_jax.weights import assign_params
+
+    def get(name):
+        a = ckpt.get(name)
+        return a.astype(np.float32) if a.dtype != np.float32 else a
+
+    assign_params(vision, get, ckpt.names, prefix="vision.")
+    assign_params(aligner, get, ckpt.names, prefix="aligner.")
+
+
+# ------------------------------------------------------------------------------ batching
+
+
+def default_bucket(n: int) -> int:
+    """Padded patch count for an image of ``n`` patches: at least 64, then steps of 1/16 of the
+    next power of two (at most ~6% padding); above 2048 a multiple of 256 so the attention can
+    run in query blocks."""
+    if n <= 64:
+        return 64
+    step = max(64, (1 << (n - 1).bit_length()) // 16)
+    if n > 2048:
+        step = max(step, 256)
+    return -(-n // step) * step
+
+
+def exact_bucket(n: int) -> int:
+    return n
+
+
+def _query_block(n: int) -> int:
+    if n <= 2048:
+        return 0
+    for qb in (1024, 512, 256):
+        if n % qb == 0:
+            return qb
+    return 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class VisionGroup:
+    """Images padded to one patch bucket and stacked (host arrays, ready for the jitted tower)."""
+
+    image_ids: tuple[int, ...]  # positions in the encode_images list; padding slots are not listed
+    patches: np.ndarray  # [B, Nb, 3*p*p] bf16
+    rows: np.ndarray  # [B, Nb] int32
+    cols: np.ndarray  # [B, Nb] int32
+    n_valid: np.ndarray  # [B] int32
+    merge: np.ndarray  # [B, Rb, r*r] int32 (Nb = the zero row)
+    n_patches: tuple[int, ...]
+    n_rows: tuple[int, ...]
+
+
+def pack_images(images: Sequence[ProcessedImage], cfg: VisionConfig, *,
+                bucket: Callable[[int], int] = default_bucket, batch_multiple: int = 1) -> list[VisionGroup]:
+    """Group images by padded patch count and stack each group (padded to a power-of-two image
+    count, and to a multiple of ``batch_multiple``, with one-patch dummy images)."""
+    r = cfg.downsample_ratio
+    by_bucket: dict[int, list[int]] = {}
+    for i, im in enumerate(images):
+        nb = int(bucket(im.n_patches))
+        if nb < im.n_patches:
+            raise ValueError(f"bucket({im.n_patches}) = {nb} is smaller than the patch count of {im.name}")
+        by_bucket.setdefault(nb, []).append(i)
+    groups = []
+    for nb, ids in by_bucket.items():
+        b = 1 << (len(ids) - 1).bit_length()
+        b = -(-b // batch_multiple) * batch_multiple
+        rb = max(images[i].n_rows for i in ids)
+        rb = -(-rb // 8) * 8
+        dim = images[ids[0]].patches[0].size
+        patches = np.zeros((b, nb, dim), images[ids[0]].patches.dtype)
+        rows = np.zeros((b, nb), np.int32)
+        cols = np.zeros((b, nb), np.int32)
+        n_valid = np.ones((b,), np.int32)
+        merge = np.full((b, rb, r * r), nb, np.int32)
+        for slot, i in enumerate(ids):
+            im = images[i]
+            n = im.n_patches
+            patches[slot, :n] = im.patches.reshape(n, -1)
+            grid = np.arange(n)
+            rows[slot, :n], cols[slot, :n] = grid // im.vit_grid[1], grid % im.vit_grid[1]
+            n_valid[slot] = n
+            merge[slot, :im.n_rows] = merge_index(im.vit_grid, r, nb)
+        groups.append(VisionGroup(tuple(ids), patches, rows, cols, n_valid, merge,
+                                  tuple(images[i].n_patches for i in ids), tuple(images[i].n_rows for i in ids)))
+    return groups
+
+
+@nnx.jit(static_argnames=("q_block",))
+def _tower(vision, aligner, patches, rows, cols, n_valid, merge, q_block=0):
+    x = vision(patches, rows, cols, n_valid, q_block=q_block)
+    return x, aligner(x, merge)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionOutputs:
+    span_embeds: jax.Array  # [sum span_len, D] compute dtype, images in order
+    aligner_rows: jax.Array | None = None  # [sum n_rows, D]
+    vit_out: jax.Array | None = None  # [sum n_patches, C]
+
+
+def _rows_index(group_sizes, ids_of_group, pad):
+    """Flat row index of each image's first row when every group's padded [B, pad_g] block is
+    concatenated in group order."""
+    off, base = {}, 0
+    for size, ids, p in zip(group_sizes, ids_of_group, pad):
+        for slot, i in enumerate(ids):
+            off[i] = base + slot * p
+        base += size * p
+    return off
+
+
+def encode_images(vision: ViT, aligner: Aligner, image_vectors: Any, images: Sequence[ProcessedImage],
+                  numerics: Numerics | None = None, *, bucket: Callable[[int], int] = default_bucket,
+                  mesh: jax.sharding.Mesh | None = None, axis: str | None = None, return_details: bool = False):
+    """Run the vision tower + aligner on ``images`` and assemble their spans.
+
+    image_vectors: (image_start, image_newline, image_end), a mapping with those names, or the
+    top-level model (anything with those attributes). Returns the span embeddings
+    [sum span_len, D] in the compute dtype, images concatenated in order (feed them to
+    ``merge_spans``); with ``return_details`` a ``VisionOutputs`` that also holds the aligner
+    rows and the ViT output of the real patches.
+
+    Data-parallel mode: with a ``mesh``, each bucket group's image axis is padded to a multiple of
+    the mesh axis ``axis`` (default: the first) and sharded over it, so every device runs the same
+    number of equally padded images; the weights are replicated (place them on the mesh yourself
+    to avoid a per-call copy). The result equals the single-device result, in the same order.
+    """
+    cd = vision.numerics.dtype
+    if numerics is not None and numerics.dtype != cd:
+        raise ValueError(f"encode_images: numerics {numerics.compute_dtype} but the vision tower was built "
+                         f"for {vision.numerics.compute_dtype}")
+    vectors = image_vector_table(image_vectors, cd)
+    if not images:
+        empty = jnp.zeros((0, vectors.shape[-1]), cd)
+        return VisionOutputs(empty, empty, jnp.zeros((0, vision.cfg.hidden_size), cd)) if return_details else empty
+    put, n_dev = jnp.asarray, 1
+    if mesh is not None:
+        axis = mesh.axis_names[0] if axis is None else axis
+        n_dev = mesh.shape[axis]
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
+        put = lambda a: jax.device_put(a, sharding)  # noqa: E731
+    groups = pack_images(images, vision.cfg, bucket=bucket, batch_multiple=n_dev)
+    vit_blocks, al_blocks = [], []
+    for g in groups:
+        x, a = _tower(vision, aligner, put(g.patches), put(g.rows), put(g.cols), put(g.n_valid), put(g.merge),
+                      q_block=_query_block(g.patches.shape[1]))
+        vit_blocks.append(x.reshape(-1, x.shape[-1]))
+        al_blocks.append(a.reshape(-1, a.shape[-1]))
+    sizes = [g.patches.shape[0] for g in groups]
+    ids = [g.image_ids for g in groups]
+    row_off = _rows_index(sizes, ids, [g.merge.shape[1] for g in groups])
+    rows = jnp.concatenate(al_blocks) if len(al_blocks) > 1 else al_blocks[0]
+    index = span_gather_index([im.types for im in images], [row_off[i] for i in range(len(images))], rows.shape[0])
+    spans = gather_spans(rows, vectors, jnp.asarray(index))
+    if not return_details:
+        return spans
+    row_index = np.concatenate([row_off[i] + np.arange(im.n_rows) for i, im in enumerate(images)])
+    patch_off = _rows_index(sizes, ids, [g.patches.shape[1] for g in groups])
+    patch_index = np.concatenate([patch_off[i] + np.arange(im.n_patches) for i, im in enumerate(images)])
+    vit = jnp.concatenate(vit_blocks) if len(vit_blocks) > 1 else vit_blocks[0]
+    return VisionOutputs(spans, jnp.take(rows, jnp.asarray(row_index), axis=0), jnp.take(vit, jnp.asarray(patch_index), axis=0))

@@ -1,0 +1,39 @@
+"""Numerics modes.
+
+``fast``: every fake-quant (QDQ) point is the identity and no activation is quantized before a
+GEMM. ``reference``: the official code's QAT points (fp8 window KV, fp4 compressed KV, fp4
+indexer q/k) and, for weights stored fp8/fp4 in the checkpoint, the fp8 per-32 activation
+quantization before the GEMM.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    compute_dtype: str = "bfloat16"  # activation dtype between ops ("float32" or "bfloat16")
+    mode: str = "reference"  # "reference" or "fast"
+
+    def __post_init__(self):
+        if self.compute_dtype not in _DTYPES:
+            raise ValueError(f"numerics: compute_dtype {self.compute_dtype!r} not in {sorted(_DTYPES)}")
+        if self.mode not in ("reference", "fast"):
+            raise ValueError(f"numerics: mode {self.mode!r} must be 'reference' or 'fast'")
+
+    @property
+    def dtype(self):
+        return _DTYPES[self.compute_dtype]
+
+    @property
+    def fake_quant(self) -> bool:
+        return self.mode == "reference"
+
+
+FAST_F32 = Numerics("float32", "fast")
+REFERENCE_F32 = Numerics("float32", "reference")
+REFERENCE_BF16 = Numerics("bfloat16", "reference")

@@ -1,0 +1,202 @@
+"""Loading weights stored under the ORIGINAL DeepSeek checkpoint names into the NNX module tree.
+
+The module tree mirrors the checkpoint names: the NNX path ``('layers', 3, 'attn', 'wq_a',
+'weight')`` is the tensor ``layers.3.attn.wq_a.weight``. The few exceptions are declared in
+``STACKED`` (routed experts are stacked per layer) and handled in one place, so the key table
+is exact and strict: every model parameter must be found, every checkpoint tensor must be used
+(or be on the explicit ignore list), shapes must agree, and all problems are reported at once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+from flax import nnx
+
+
+class WeightError(ValueError):
+    """Checkpoint tensors that do not fit the model: every offending name is listed."""
+
+
+# Checkpoint tensors that the model deliberately does not hold.
+IGNORED = (re.compile(r"^mtp\."),)
+
+# NNX path of a stacked parameter -> checkpoint name template with {e} for the stacked index.
+_EXPERT_RE = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(w[123])\.(weight|scale)$")
+
+
+def path_to_name(path: Iterable) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def param_names(module: nnx.Module) -> dict[str, tuple]:
+    """Checkpoint-style name -> (nnx path, shape, dtype) for every nnx.Param of ``module``."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        v = var.get_value()
+        out[path_to_name(path)] = (path, tuple(v.shape), v.dtype)
+    return out
+
+
+def expert_source_names(name: str, n_experts: int) -> list[str] | None:
+    m = _EXPERT_RE.match(name)
+    if not m:
+        return None
+    return [f"{m.group(1)}.{e}.{m.group(2)}.{m.group(3)}" for e in range(n_experts)]
+
+
+def assign_params(module: nnx.Module, get: Callable[[str], np.ndarray | None], available: Iterable[str],
+                  *, prefix: str = "", n_experts: int = 0, strict: bool = True,
+                  convert: Callable[[str, np.ndarray, tuple, np.dtype], np.ndarray] | None = None) -> set[str]:
+    """Fill every nnx.Param of ``module`` from ``get(original_name)``.
+
+    ``available``: the checkpoint's tensor names (for the unexpected-tensor check, restricted to
+    ``prefix``). Returns the set of checkpoint names consumed. Raises one WeightError listing
+    every missing, unexpected or mis-shaped tensor.
+    """
+    available = set(available)
+    problems: list[str] = []
+    used: set[str] = set()
+    updates = {}
+    for name, (path, shape, dtype) in param_names(module).items():
+        full = prefix + name
+        srcs = expert_source_names(full, n_experts)
+        try:
+            if srcs is not None:
+                missing = [s for s in srcs if s not in available]
+                if missing:
+                    problems.append(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more experts)" if len(missing) > 1 else ""))
+                    continue
+                arr = np.stack([get(s) for s in srcs])
+                used.update(srcs)
+            else:
+                if full not in available:
+                    problems.append(f"missing tensor {full} (expected shape {list(shape)})")
+                    continue
+                arr = get(full)
+                used.add(full)
+        except WeightError as e:
+            problems.append(str(e))
+            continue
+        if convert is not None:
+            arr = convert(full, arr, shape, dtype)
+        if tuple(arr.shape) != shape:
+            problems.append(f"tensor {full}: shape {list(arr.shape)} does not match the model's {list(shape)}")
+            continue
+        if np.issubdtype(arr.dtype, np.floating) and not np.all(np.isfinite(arr.astype(np.float32))):
+            problems.append(f"tensor {full}: contains NaN or Inf")
+            continue
+        updates[path] = arr
+    if strict:
+        for name in sorted(available):
+            if name.startswith(prefix) and name not in used and not any(r.match(name) for r in IGNORED):
+                problems.append(f"unexpected tensor {name} (not part of the model)")
+    if problems:
+        raise WeightError(f"{len(problems)} problem(s) loading weights:\n  " + "\n  ".join(problems))
+    state = nnx.state(module, nnx.Param)
+    flat = dict(nnx.to_flat_state(state))
+    import jax.numpy as jnp
+
+    for path, arr in updates.items():
+        var = flat[path]
+        var.set_value(jnp.asarray(arr, dtype=var.get_value().dtype))
+    nnx.update(module, state)
+    return used
+
+
+# ---------------------------------------------------------------------------------------------
+# Original-format checkpoint -> model
+
+_VISION_RE = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)")
+_RAW_RE = re.compile(r"\.engram\.embed\.(weight|scale)$")
+
+
+def dequantize_tensor(ck, name: str, block: tuple[int, int] = (32, 32)) -> np.ndarray:
+    """The float32 value of checkpoint tensor ``name`` (fp8 32x32 blocks and fp4 experts decoded
+    exactly with their ``.scale``; bf16/fp32 widened)."""
+    from dsv41_jax import quant
+
+    dtype, shape = ck.info(name)
+    arr = ck.get(name)
+    scale_name = name[: -len("weight")] + "scale" if name.endswith(".weight") else None
+    has_scale = scale_name is not None and scale_name in ck
+    if dtype == "F8_E4M3":
+        if not has_scale:
+            raise WeightError(f"tensor {name}: F8_E4M3 without its scale tensor {scale_name}")
+        sc = quant.raw_u8(ck.get(scale_name))
+        bo, bi = block
+        if -(-shape[0] // bo) != sc.shape[0] or -(-shape[1] // bi) != sc.shape[1]:
+            raise WeightError(f"tensor {scale_name}: shape {list(sc.shape)} does not tile {name} {list(shape)}")
+        return quant.dequant_fp8_blocks(arr, sc, block=(bo, bi))
+    if dtype in ("I8", "U8") and has_scale:
+        sc = quant.raw_u8(ck.get(scale_name))
+        if sc.shape[0] != shape[0] or sc.shape[1] * 32 != shape[1] * 2:
+            raise WeightError(f"tensor {scale_name}: shape {list(sc.shape)} does not match fp4 tensor {name} {list(shape)}")
+        return quant.dequant_fp4_experts(arr, sc)
+    if dtype in ("BF16", "F16", "F32", "F64"):
+        return np.asarray(arr, dtype=np.float32)
+    raise WeightError(f"tensor {name}: unexpected dtype {dtype}")
+
+
+def _linear_modules(model):
+    from dsv41_jax.model.layers import Linear
+    from dsv41_jax.model.moe import Experts
+
+    for path, mod in nnx.iter_graph(model):
+        if isinstance(mod, (Linear, Experts)):
+            yield path_to_name(path), mod
+
+
+def load_original(directory: str, numerics, *, text_only: bool = False, config=None):
+    """Build a DeepseekV41 from an original-format DeepSeek checkpoint directory."""
+    from dsv41_jax.config import ModelConfig
+    from dsv41_jax.model.layers import Linear
+    from dsv41_jax.model.lm import DeepseekV41
+    from dsv41_jax.safetensors_io import Checkpoint
+
+    cfg = config or ModelConfig.from_file(directory)
+    ck = Checkpoint(directory)
+    eng_q = any(n.endswith(".engram.embed.scale") for n in ck.names)
+    block = tuple(cfg.quant.weight_block_size) if cfg.quant is not None else (32, 32)
+    model = DeepseekV41(cfg, numerics, engram_quantized=eng_q, text_only=text_only)
+    # activation fake-quant where the checkpoint stores the weight fp8/fp4 (wo_a runs bf16)
+    for name, mod in _linear_modules(model):
+        if isinstance(mod, Linear):
+            mod.quantized = (name + ".scale") in ck and not name.endswith("attn.wo_a")
+        else:
+            mod.quantized = (name + ".0.w1.scale") in ck
+    available = [n for n in ck.names
+                 if not n.endswith(".scale") or _RAW_RE.search(n)]
+    if cfg.vision is None or text_only:
+        available = [n for n in available if not _VISION_RE.match(n)]
+    used_scales = set()
+
+    def get(name):
+        if _RAW_RE.search(name):
+            a = ck.get(name)
+            if name.endswith(".scale"):
+                from dsv41_jax import quant
+
+                return quant.raw_u8(a)
+            return a
+        return dequantize_tensor(ck, name, block)
+
+    def convert(name, arr, shape, dtype):
+        if _RAW_RE.search(name):
+            return arr
+        return arr.astype(np.float32)
+
+    assign_params(model, get, available, n_experts=cfg.text.n_routed_experts, convert=convert)
+    # scales must belong to a weight the model consumed
+    problems = []
+    for n in ck.names:
+        if n.endswith(".scale") and not _RAW_RE.search(n) and not any(r.match(n) for r in IGNORED):
+            w = n[: -len("scale")] + "weight"
+            if w not in ck:
+                problems.append(f"unexpected tensor {n} (no matching {w})")
+    if problems:
+        raise WeightError(f"{len(problems)} problem(s) loading weights:\n  " + "\n  ".join(problems))
+    return model
