@@ -213,6 +213,15 @@ def open_image(source: Any, name: str | None = None) -> Image.Image:
     return image
 
 
+def load_image(source: Any, name: str | None = None) -> Image.Image:
+    """``open_image`` that also records the source name on the image (``image.filename``), so
+    later error messages and ``ProcessedImage.name`` can name it."""
+    name = name or describe_source(source)
+    image = open_image(source, name)
+    image.filename = name
+    return image
+
+
 # ------------------------------------------------------------------------------ pixels -> patches
 
 
@@ -406,7 +415,8 @@ def check_placeholder_id(tokenizer, image_token_id: int) -> None:
     placeholder spelling (the reference trusts the config id when the tokenizer does not know it)."""
     tid = tokenizer.token_to_id(PLACEHOLDER)
     if tid is not None and tid != image_token_id:
-        raise ImageInputError(f"tokenizer maps {PLACEHOLDER!r} to id {tid}, but the config's image_token_id is {image_token_id}")
+        raise ImageInputError(f"tokenizer maps {PLACEHOLDER!r} to id {tid}, "
+                              f"but the config's image_token_id is {image_token_id}")
 
 
 # ------------------------------------------------------------------------------ chat messages

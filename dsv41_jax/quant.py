@@ -25,13 +25,16 @@ The power-of-two scales multiply ``amax`` by the fp32 reciprocal constant (``1/4
 the kernels and both references do; the e4m3 scale divides by 6 (correctly rounded). Rounding onto
 e4m3 / e2m1 is round-to-nearest-even on the code (e2m1 ties 0.25, 1.25, 2.5, 5 go down; 0.75,
 1.75, 3.5 go up). If the last axis is not a multiple of ``block`` the operator is the identity
-(HF41's rule for tiny configs; the official kernels assert instead).
+(HF41's rule for tiny configs; the official kernels assert instead). Caveat: XLA flushes fp32
+subnormal inputs to zero on CPU and GPU, while the torch reference keeps them; this can only change
+blocks whose amax is below ~2^-100.
 
 NumPy twins (suffix ``_np``) run the same algorithm on the host; they back the encoders used to
 write test checkpoints.
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -56,7 +59,6 @@ FP4_LUT = np.concatenate([FP4_GRID, -FP4_GRID]).astype(F32)
 
 _E4M3 = ml_dtypes.float8_e4m3fn
 _E8M0 = ml_dtypes.float8_e8m0fnu
-_BF16 = ml_dtypes.bfloat16
 # minifloat parameters: (mantissa bits, minimum normal exponent)
 _E4M3_FMT = (3, -6)
 _E2M1_FMT = (1, 0)
@@ -96,6 +98,7 @@ def e8m0_to_f32(b) -> np.ndarray:
     return _e8m0_bits(raw_u8(b), np).view(F32)
 
 
+@jax.jit
 def e8m0_to_f32_jax(b) -> jax.Array:
     """jnp twin of ``e8m0_to_f32``. Byte 0 gives the fp32 subnormal 2^-127; a backend that flushes
     subnormals will turn products with it into 0 (no released scale is that small)."""
@@ -116,6 +119,7 @@ def e4m3_to_f32(w) -> np.ndarray:
     return raw_u8(w).view(_E4M3).astype(F32)
 
 
+@jax.jit
 def e4m3_to_f32_jax(w) -> jax.Array:
     """jnp twin of ``e4m3_to_f32`` (input float8_e4m3fn, or uint8 / int8 bits)."""
     w = jnp.asarray(w)
@@ -207,6 +211,37 @@ def _div6(a, xp):
     return mant.astype(jnp.float32) * _pow2(k, jnp)
 
 
+def _div_by_e4m3(x, s, xp):
+    """``fp32(x / s)`` for an e4m3-valued scale ``s > 0``, exact where it matters for e2m1 rounding.
+
+    numpy divides directly. XLA turns ``x / broadcast(s)`` into ``x * broadcast(1/s)`` (off by an
+    ulp, which moves e2m1 ties), so the quotient of the 24-bit significand of |x| by the 4-bit
+    significand of s is formed in integers and rounded to 24 bits, ties to even. Quotients below
+    0.25 are returned as 0 and above 6 as 8 (both round to the same e2m1 code as the exact value).
+    """
+    if xp is np:
+        return (np.asarray(x, dtype=F32) / s).astype(F32)
+    xb = lax.bitcast_convert_type(jnp.abs(x), jnp.uint32)
+    sb = lax.bitcast_convert_type(s, jnp.uint32)
+    ex = ((xb >> 23) & 0xFF).astype(jnp.int32)
+    es = ((sb >> 23) & 0xFF).astype(jnp.int32)
+    ms = ((sb & 0x7FFFFF) | 0x800000) >> 20  # 8..15: e4m3 values have at most 4 significant bits
+    n = ((xb & 0x7FFFFF) | 0x800000) << 5  # < 2^29
+    q = n // ms  # 25 or 26 bits: x/s = q * 2^(ex - es - 25) (+ remainder)
+    r = n - q * ms
+    d = jnp.where(q >= (1 << 25), jnp.uint32(2), jnp.uint32(1))
+    mant = q >> d
+    rem = q & ((jnp.uint32(1) << d) - 1)
+    half = jnp.uint32(1) << (d - 1)
+    up = (rem > half) | ((rem == half) & ((r != 0) | ((mant & 1) == 1)))
+    mant = mant + up.astype(jnp.uint32)
+    de = ex - es
+    k = jnp.clip(de - 25 + d.astype(jnp.int32), -126, 127)
+    val = mant.astype(jnp.float32) * _pow2(k, jnp)
+    val = jnp.where(de >= 4, jnp.float32(8.0), jnp.where(de <= -3, jnp.float32(0.0), val))
+    return jnp.copysign(val, x)
+
+
 # ----------------------------------------------------------------------------------------------
 # fake-quant operators (jnp, jit-able) and their numpy twins
 # ----------------------------------------------------------------------------------------------
@@ -220,7 +255,7 @@ def _fq_blocks(x, block: int, kind: str, xp):
     if kind == "fp4_e4":
         amax = xp.maximum(amax, xp.float32(FP4_E4_AMAX_FLOOR))
         s = e4m3_rne(_div6(amax, xp), xp)
-        q = e2m1_rne(xb / s, xp)
+        q = e2m1_rne(_div_by_e4m3(xb, s, xp), xp)
     else:
         if kind == "fp8":
             floor, inv, fmt, lim = FP8_AMAX_FLOOR, INV_E4M3_MAX, _E4M3_FMT, E4M3_MAX
@@ -234,6 +269,7 @@ def _fq_blocks(x, block: int, kind: str, xp):
     return (q * s).reshape(x.shape).astype(x.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
 def fq_fp8(x: jax.Array, block: int = 32) -> jax.Array:
     """fp8 e4m3 fake quant with a ue8m0 scale per ``block`` along the last axis (window-KV QDQ).
 
@@ -242,6 +278,7 @@ def fq_fp8(x: jax.Array, block: int = 32) -> jax.Array:
     return _fq_blocks(jnp.asarray(x), block, "fp8", jnp)
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
 def fq_fp4_e8(x: jax.Array, block: int = 32) -> jax.Array:
     """fp4 e2m1 fake quant with a ue8m0 scale per ``block`` (indexer q/k QDQ).
 
@@ -250,6 +287,7 @@ def fq_fp4_e8(x: jax.Array, block: int = 32) -> jax.Array:
     return _fq_blocks(jnp.asarray(x), block, "fp4_e8", jnp)
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
 def fq_fp4_e4(x: jax.Array, block: int = 16) -> jax.Array:
     """fp4 e2m1 fake quant with an e4m3 scale per ``block`` (compressed-KV QDQ).
 
@@ -258,6 +296,7 @@ def fq_fp4_e4(x: jax.Array, block: int = 16) -> jax.Array:
     return _fq_blocks(jnp.asarray(x), block, "fp4_e4", jnp)
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
 def act_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
     """Activation quantization before an fp8/fp4 GEMM (REF41 ``act_quant`` with ue8m0 scales),
     returned dequantized: same values as ``fq_fp8``. The GEMM against the dequantized weight then
@@ -316,6 +355,7 @@ def dequant_fp8_blocks(w_e4m3, scale_e8m0, block: int | Sequence[int] = 32) -> n
     return w * _expand_tiles(e8m0_to_f32(scale_e8m0), w.shape, bo, bi, np)
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
 def dequant_fp8_blocks_jax(w_e4m3, scale_e8m0, block: int | Sequence[int] = 32) -> jax.Array:
     """jnp twin of ``dequant_fp8_blocks``."""
     bo, bi = _block2(block)
@@ -334,6 +374,7 @@ def unpack_fp4(packed) -> np.ndarray:
     return FP4_LUT[fp4_codes(packed)]
 
 
+@jax.jit
 def unpack_fp4_jax(packed) -> jax.Array:
     """jnp twin of ``unpack_fp4``."""
     u = _u8_jax(packed)
@@ -353,6 +394,7 @@ def dequant_fp4_experts(packed, scale_e8m0, block: int = 32) -> np.ndarray:
     return w * np.repeat(s, block, axis=-1)
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
 def dequant_fp4_experts_jax(packed, scale_e8m0, block: int = 32) -> jax.Array:
     """jnp twin of ``dequant_fp4_experts``."""
     w = unpack_fp4_jax(packed)
@@ -375,6 +417,7 @@ def dequant_engram_rows(rows_e4m3, rows_scale_u8, block: int = 32) -> np.ndarray
     return (w.reshape(*w.shape[:-1], d // block, block) * s[..., None]).reshape(w.shape)
 
 
+@functools.partial(jax.jit, static_argnames=("block",))
 def dequant_engram_rows_jax(rows_e4m3, rows_scale_u8, block: int = 32) -> jax.Array:
     """jnp twin of ``dequant_engram_rows`` (for the jitted lookup; gather the rows first).
 

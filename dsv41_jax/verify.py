@@ -134,6 +134,23 @@ def _inputs(case: Case, cfg):
     return np.stack(rows), np.stack(types), images
 
 
+def _captured_forward(model, ids, **kw):
+    """Jitted forward returning (logits, capture dict)."""
+    import jax
+    from flax import nnx
+
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def f(state, ids, kw):
+        m = nnx.merge(graphdef, state)
+        cap = {}
+        logits, _ = m(ids, capture=cap, **kw)
+        return logits, cap
+
+    return f(state, ids, kw)
+
+
 def run_case(case_dir: str, only: tuple[str, ...] = KINDS, weights: str | None = None, mesh=None,
              log: Callable[[str], None] = print) -> list[Result]:
     import jax
@@ -223,9 +240,8 @@ def run_case(case_dir: str, only: tuple[str, ...] = KINDS, weights: str | None =
         pass
 
     if "prefill" in only:
-        cap = {}
-        logits, _ = model(jids, inputs_embeds=embeds, image_mask=jmask,
-                          engram_hashes=None if eh is None else eh[:, :S], capture=cap)
+        logits, cap = _captured_forward(model, jids, inputs_embeds=embeds, image_mask=jmask,
+                                        engram_hashes=None if eh is None else eh[:, :S])
         check("prefill_logits", "prefill", np.asarray(logits))
         for name in sorted(ref):
             m = re.match(r"^(block_in|pre_mix_in)_L(\d+)$", name)
@@ -238,7 +254,7 @@ def run_case(case_dir: str, only: tuple[str, ...] = KINDS, weights: str | None =
                 tail = model.embed(jnp.asarray(dec_ids, jnp.int32), case.numerics.dtype)
                 lemb = jnp.concatenate([embeds, tail], 1)
                 lmask = jnp.concatenate([jmask, jnp.zeros((B, n_dec), bool)], 1)
-            llog, _ = model(lids, inputs_embeds=lemb, image_mask=lmask, engram_hashes=eh)
+            llog, _ = _captured_forward(model, lids, inputs_embeds=lemb, image_mask=lmask, engram_hashes=eh)
             check("long_prefill_logits", "prefill", np.asarray(llog))
 
     if "blocks" in only:
@@ -251,9 +267,8 @@ def run_case(case_dir: str, only: tuple[str, ...] = KINDS, weights: str | None =
         if len(teacher) != L:
             not_run("blocks", "blocks", "reference lacks block_in_L*/pre_mix_in_L* for every layer")
         else:
-            cap = {}
-            model(jids, inputs_embeds=embeds, image_mask=jmask,
-                  engram_hashes=None if eh is None else eh[:, :S], capture=cap, teacher=teacher)
+            _, cap = _captured_forward(model, jids, inputs_embeds=embeds, image_mask=jmask,
+                                       engram_hashes=None if eh is None else eh[:, :S], teacher=teacher)
             for name in sorted(ref):
                 if BLOCK_ARRAYS.match(name):
                     if name in cap:

@@ -21,7 +21,7 @@ class Block(nnx.Module):
         self.plan = plan
         self.numerics = numerics
         n, D = cfg.hc_mult, cfg.hidden_size
-        self.hc = dict(hc_mult=n, iters=cfg.hc_sinkhorn_iters, norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps)
+        self.hc = (n, cfg.hc_sinkhorn_iters, cfg.rms_norm_eps, cfg.hc_eps)
         mix = cfg.hc_mix
         self.hc_attn_fn = nnx.Param(jnp.zeros((mix, n * D), F32))
         self.hc_attn_base = nnx.Param(jnp.zeros((mix,), F32))
@@ -36,6 +36,10 @@ class Block(nnx.Module):
         self.engram = (Engram(cfg, cfg.engram_num_embeddings[plan.engram_slot], numerics, engram_quantized)
                        if plan.has_engram else None)
 
+    def _hc(self):
+        n, iters, norm_eps, hc_eps = self.hc
+        return dict(hc_mult=n, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps)
+
     def __call__(self, h, pre_in, pos, valid, cache, ctx, *, image_mask=None, engram_hashes=None,
                  engram_mask=None, capture=None):
         """h [B,S,n,D] stream entering the layer (before Engram); pre_in [B,S,n] fp32.
@@ -45,11 +49,11 @@ class Block(nnx.Module):
             h = self.engram(h, engram_hashes, engram_mask)
             if capture is not None:
                 capture["engram_out"] = h
-        pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn[...], self.hc_attn_scale[...], self.hc_attn_base[...], **self.hc)
+        pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn[...], self.hc_attn_scale[...], self.hc_attn_base[...], **self._hc())
         x = self.attn_norm(hc_pre(h, pre_in))
         a, cache, ctx = self.attn(x, pos, valid, cache, ctx, capture)
         h = hc_post(a, h, post_a, comb_a)
-        pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn[...], self.hc_ffn_scale[...], self.hc_ffn_base[...], **self.hc)
+        pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn[...], self.hc_ffn_scale[...], self.hc_ffn_base[...], **self._hc())
         x = self.ffn_norm(hc_pre(h, pre_a))
         f = self.ffn(x, image_mask, capture)
         h = hc_post(f, h, post_f, comb_f)

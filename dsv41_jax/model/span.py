@@ -48,7 +48,8 @@ def span_gather_index(types_per_image: Sequence[np.ndarray], row_offsets: Sequen
         idx[types == IMAGE_NEW_LINE] = table_base + 1
         idx[types == IMAGE_END] = table_base + 2
         if (idx < 0).any():
-            raise ValueError(f"span types contain codes outside START/IMAGE/NEW_LINE/END: {sorted(set(types.tolist()))}")
+            raise ValueError(f"span types contain codes outside START/IMAGE/NEW_LINE/END: "
+                             f"{sorted(set(types.tolist()))}")
         out.append(idx)
     return np.concatenate(out).astype(np.int32) if out else np.zeros((0,), np.int32)
 
@@ -69,6 +70,25 @@ def assemble_spans(aligner_rows, image_vectors, types_per_image: Sequence[np.nda
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if counts else []
     index = span_gather_index(types_per_image, offsets, aligner_rows.shape[0])
     return gather_spans(aligner_rows.astype(dtype), image_vector_table(image_vectors, dtype), jnp.asarray(index))
+
+
+def encode_and_merge(model, input_ids, types, images, numerics=None, *, capture: dict | None = None):
+    """Token embeddings with every image span merged in (before the hc expansion).
+
+    model: the top-level model (``embed``, ``vision``, ``aligner``, ``image_start/newline/end``);
+    input_ids/types: [B, S]; images: ProcessedImage list in batch-major prompt order (or one list
+    per batch row). ``capture`` receives ``vit_out``, ``aligner_rows`` and ``span_embeds`` (fp32).
+    """
+    from dsv41_jax.model.vision import encode_images
+
+    numerics = model.numerics if numerics is None else numerics
+    flat = [im for row in images for im in (row if isinstance(row, (list, tuple)) else [row])]
+    out = encode_images(model.vision, model.aligner, model, flat, numerics, return_details=True)
+    if capture is not None:
+        for name in ("vit_out", "aligner_rows", "span_embeds"):
+            capture[name] = getattr(out, name).astype(jnp.float32)
+    embeds = model.embed(jnp.asarray(input_ids), numerics.dtype)
+    return merge_spans(embeds, out.span_embeds, types)
 
 
 def merge_spans(embeds, span_rows, types):

@@ -90,7 +90,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, key_mask, cd, q_block: int = 0):
         b, n, _ = x.shape
-        q, k, v = (t.reshape(b, n, self.n_heads, self.head_dim) for t in jnp.split(_linear(self.wqkv, x, cd), 3, axis=-1))
+        qkv = _linear(self.wqkv, x, cd).reshape(b, n, 3, self.n_heads, self.head_dim)  # q | k | v chunks
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         o = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, key_mask, q_block).astype(cd)
         return _linear(self.wo, o.reshape(b, n, -1), cd)
 
@@ -144,6 +145,11 @@ class ViT(nnx.Module):
 def build_vision(cfg: VisionConfig, out_dim: int, numerics: Numerics) -> tuple[ViT, Aligner]:
     """A zero-initialised (ViT, Aligner) pair; fill it with ``load_vision_weights`` or assign_params."""
     return ViT(cfg, numerics=numerics), Aligner(cfg, out_dim, numerics=numerics)
+
+
+def build_vision_modules(config, numerics: Numerics) -> tuple[ViT, Aligner]:
+    """(ViT, Aligner) for a ModelConfig (aligner output = the text hidden size)."""
+    return build_vision(config.vision, config.text.hidden_size, numerics)
 
 
 def load_vision_weights(vision: ViT, aligner: Aligner, ckpt) -> None:
@@ -202,8 +208,9 @@ class VisionGroup:
 
 def pack_images(images: Sequence[ProcessedImage], cfg: VisionConfig, *,
                 bucket: Callable[[int], int] = default_bucket, batch_multiple: int = 1) -> list[VisionGroup]:
-    """Group images by padded patch count and stack each group (padded to a power-of-two image
-    count, and to a multiple of ``batch_multiple``, with one-patch dummy images)."""
+    """Group images by padded patch count and stack each group. The image count of a group is
+    padded (1, 2, 4, then multiples of 4, and to a multiple of ``batch_multiple``) with one-patch
+    dummy images, so few distinct shapes get compiled."""
     r = cfg.downsample_ratio
     by_bucket: dict[int, list[int]] = {}
     for i, im in enumerate(images):
@@ -213,7 +220,7 @@ def pack_images(images: Sequence[ProcessedImage], cfg: VisionConfig, *,
         by_bucket.setdefault(nb, []).append(i)
     groups = []
     for nb, ids in by_bucket.items():
-        b = 1 << (len(ids) - 1).bit_length()
+        b = 1 << (len(ids) - 1).bit_length() if len(ids) <= 4 else -(-len(ids) // 4) * 4
         b = -(-b // batch_multiple) * batch_multiple
         rb = max(images[i].n_rows for i in ids)
         rb = -(-rb // 8) * 8
@@ -288,7 +295,8 @@ def encode_images(vision: ViT, aligner: Aligner, image_vectors: Any, images: Seq
     if mesh is not None:
         axis = mesh.axis_names[0] if axis is None else axis
         n_dev = mesh.shape[axis]
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axis))
+        auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names)  # Auto axes: let XLA propagate the sharding
+        sharding = jax.sharding.NamedSharding(auto, jax.sharding.PartitionSpec(axis))
         put = lambda a: jax.device_put(a, sharding)  # noqa: E731
     groups = pack_images(images, vision.cfg, bucket=bucket, batch_multiple=n_dev)
     vit_blocks, al_blocks = [], []
@@ -309,4 +317,5 @@ def encode_images(vision: ViT, aligner: Aligner, image_vectors: Any, images: Seq
     patch_off = _rows_index(sizes, ids, [g.patches.shape[1] for g in groups])
     patch_index = np.concatenate([patch_off[i] + np.arange(im.n_patches) for i, im in enumerate(images)])
     vit = jnp.concatenate(vit_blocks) if len(vit_blocks) > 1 else vit_blocks[0]
-    return VisionOutputs(spans, jnp.take(rows, jnp.asarray(row_index), axis=0), jnp.take(vit, jnp.asarray(patch_index), axis=0))
+    return VisionOutputs(spans, jnp.take(rows, jnp.asarray(row_index), axis=0),
+                         jnp.take(vit, jnp.asarray(patch_index), axis=0))
