@@ -4,8 +4,8 @@ Per layer: the window ring (``win_kv`` [B, W, head_dim] post-RoPE, fake-quantize
 numerics, ``win_pos`` [B, W] absolute position per slot, -1 empty). kv-source layers add the
 compressed KV and index keys (``cmp_kv`` [B, max_len/ratio, head_dim], ``idx_k`` [B,
 max_len/ratio, index_head_dim]) and, for ratio 2, the partial group (``st_kv``/``st_score``
-[B, ratio, head_dim] fp32, scores -inf when empty). Engram history: the last
-``max_ngram-1`` raw token ids and DEAD flags per sequence. ``length`` [B]: tokens consumed.
+[B, ratio, head_dim] fp32, scores -inf when empty). Engram history: the
+compressed ids of the last ``max_ngram-1`` valid positions per sequence (-1 = DEAD). ``length`` [B]: tokens consumed.
 """
 from __future__ import annotations
 
@@ -34,9 +34,8 @@ def init_cache(cfg: TextConfig, batch: int, max_len: int, dtype) -> dict:
     return {
         "layers": [init_layer_cache(cfg, p, batch, max_len, dtype) for p in cfg.layers],
         "length": jnp.zeros((batch,), jnp.int32),
-        # engram look-back: raw ids of the previous lb positions (most recent last) and DEAD flags
-        "engram_ids": jnp.zeros((batch, lb), jnp.int32),
-        "engram_dead": jnp.ones((batch, lb), bool),
+        # engram look-back: compressed ids of the previous lb valid positions, oldest first, -1 = DEAD
+        "engram_hist": jnp.full((batch, lb), -1, jnp.int32),
     }
 
 

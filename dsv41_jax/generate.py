@@ -2,22 +2,44 @@
 
 The model is split once (``nnx.split``); the jitted functions are pure functions of
 (params state, cache, inputs). Caches are donated. Per-request values (lengths, temperatures,
-top-k/top-p/min-p, stop ids, max new tokens) are arrays, so they never trigger a recompile;
-shapes are bucketed (``buckets.py``).
+top-k/top-p/min-p, stop ids, max new tokens, seed) are arrays, so they never trigger a
+recompile; shapes are bucketed (``buckets.py``).
+
+``generate`` = pad/bucket the prompts -> prefill (whole prompt, or fixed-size chunks at absolute
+positions) -> ONE ``jax.lax.while_loop`` on device over a :class:`DecodeState`. Each loop step
+samples one token per sequence from the pending logits (row ``b`` starts from the logits at its
+last valid prompt position), records it, updates the done flags (stop id sampled, or the row's
+``max_new_tokens`` reached), then runs the model on that token at the row's own position
+(``cache['length'][b]``; finished rows feed an invalid token, so their cache does not move).
+The loop exits when every row is done or the token buffer is full. ``generate_stream`` runs the
+very same compiled loop with a step limit of one step per call, so it yields exactly the tokens
+``generate`` returns for the same inputs and seed.
+
+Compiled executables are kept per (function, model graph, argument shapes/dtypes) in a
+process-wide table (``compile_stats``, ``clear_compiled``); ``buckets.precompile`` fills it ahead
+of time.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+import time
+from typing import Any, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-F32 = jnp.float32
+from dsv41_jax.buckets import DEFAULT_BUCKETS, Buckets, pad_prompts, round_up
+from dsv41_jax.sampling import SamplingParams, sample
 
+F32 = jnp.float32
+FINISH_REASONS = {1: "stop", 2: "length"}
+
+
+# ---------------------------------------------------------------------------------------------
+# one forward over a chunk (prefill chunk or one decode token)
 
 def _forward(graphdef, state, cache, ids, valid, inputs_embeds, image_mask, engram_hashes):
     model = nnx.merge(graphdef, state)
@@ -57,3 +79,376 @@ def prefill_fn(model, ids, cache, *, inputs_embeds=None, image_mask=None, engram
 
 def decode_step_fn(model, tok, cache, *, engram_hashes=None, valid=None):
     return forward_chunk(model, tok, cache, valid=valid, engram_hashes=engram_hashes)
+
+
+# ---------------------------------------------------------------------------------------------
+# jitted pieces of generation
+
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The while_loop carry. ``tokens`` [B, N] int32 (-1 = not generated), ``logits`` [B, V] fp32
+    (pending: the next token of each row is sampled from them), ``step`` int32 scalar (next column
+    of ``tokens``; also the RNG fold), ``done`` [B] bool, ``count`` [B] int32 (tokens generated),
+    ``finish`` [B] int32 (0 running, 1 stop id, 2 max new tokens), ``cache`` (model decode
+    state), ``key`` (the request's base PRNG key)."""
+
+    tokens: Any
+    logits: Any
+    step: Any
+    done: Any
+    count: Any
+    finish: Any
+    cache: Any
+    key: Any
+
+
+jax.tree_util.register_dataclass(
+    DecodeState, data_fields=["tokens", "logits", "step", "done", "count", "finish", "cache", "key"],
+    meta_fields=[])
+
+
+def _prefill_chunk(graphdef, state, cache, ids, valid, inputs_embeds, image_mask, start, last_idx, prev):
+    """Run one prompt chunk starting at prompt column ``start``; rows whose last valid prompt
+    position ``last_idx`` lies in this chunk take their pending logits from it."""
+    logits, cache = _forward(graphdef, state, cache, ids, valid, inputs_embeds, image_mask, None)
+    C = ids.shape[1]
+    li = last_idx - start
+    inside = (li >= 0) & (li < C)
+    got = jnp.take_along_axis(logits, jnp.clip(li, 0, C - 1)[:, None, None], axis=1)[:, 0]
+    return cache, jnp.where(inside[:, None], got, prev)
+
+
+def _decode_body(graphdef, state, ds: DecodeState, params, stop_mask, banned, max_new) -> DecodeState:
+    tok = sample(ds.logits, params, ds.key, ds.step, banned=banned)
+    active = ~ds.done
+    tok = jnp.where(active, tok, -1)
+    tokens = jax.lax.dynamic_update_slice(ds.tokens, tok[:, None], (jnp.int32(0), ds.step))
+    count = ds.count + active.astype(jnp.int32)
+    hit_stop = active & stop_mask[jnp.maximum(tok, 0)]
+    hit_len = active & (count >= max_new)
+    finish = jnp.where(hit_stop, 1, jnp.where(hit_len, 2, ds.finish)).astype(jnp.int32)
+    done = ds.done | hit_stop | hit_len
+    feed = jnp.where(done, 0, tok)[:, None]
+    logits, cache = _forward(graphdef, state, ds.cache, feed, (~done)[:, None], None, None, None)
+    return DecodeState(tokens=tokens, logits=logits[:, 0], step=ds.step + 1, done=done, count=count,
+                       finish=finish, cache=cache, key=ds.key)
+
+
+def _decode_loop(graphdef, state, ds: DecodeState, params, stop_mask, banned, max_new, limit):
+    """Decode until every row is done, the buffer is full, or ``step == limit``."""
+    end = jnp.minimum(limit, ds.tokens.shape[1])
+
+    def cond(s):
+        return (s.step < end) & ~jnp.all(s.done)
+
+    return jax.lax.while_loop(cond, functools.partial(_decode_body, graphdef, state, params=params,
+                                                      stop_mask=stop_mask, banned=banned, max_new=max_new), ds)
+
+
+@functools.lru_cache(maxsize=None)
+def _prefill_jit(graphdef):
+    return jax.jit(functools.partial(_prefill_chunk, graphdef), donate_argnums=(1, 8))
+
+
+@functools.lru_cache(maxsize=None)
+def _loop_jit(graphdef):
+    return jax.jit(functools.partial(_decode_loop, graphdef), donate_argnums=(1,))
+
+
+_FACTORIES = {"prefill": _prefill_jit, "decode_loop": _loop_jit}
+_EXECUTABLES: dict = {}
+_STATS = {"compiles": 0, "compile_s": 0.0}
+
+
+def _aval_key(x):
+    return tuple(x.shape), str(jnp.dtype(x.dtype)), bool(getattr(x, "weak_type", False))
+
+
+def _executable(kind: str, graphdef, args: tuple):
+    """(compiled executable, compile seconds spent now) for ``kind`` at the shapes of ``args``."""
+    leaves, tree = jax.tree.flatten(args)
+    key = (kind, graphdef, tree, tuple(_aval_key(x) for x in leaves))
+    ex = _EXECUTABLES.get(key)
+    if ex is not None:
+        return ex, 0.0
+    t0 = time.perf_counter()
+    ex = _FACTORIES[kind](graphdef).lower(*args).compile()
+    dt = time.perf_counter() - t0
+    _EXECUTABLES[key] = ex
+    _STATS["compiles"] += 1
+    _STATS["compile_s"] += dt
+    return ex, dt
+
+
+def compile_stats() -> dict:
+    """``{"compiles": executables compiled so far, "compile_s": seconds, "cached": table size}``."""
+    return dict(_STATS, cached=len(_EXECUTABLES))
+
+
+def clear_compiled() -> None:
+    """Drop every cached generation executable (the next request compiles again)."""
+    _EXECUTABLES.clear()
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def _prefill_avals(model, B: int, C: int, max_len: int, with_embeds: bool):
+    t = model.config.text
+    cache = jax.eval_shape(lambda: model.init_cache(B, max_len))
+    emb = _sds((B, C, t.hidden_size), model.numerics.dtype) if with_embeds else None
+    im = _sds((B, C), bool) if with_embeds else None
+    return (cache, _sds((B, C), jnp.int32), _sds((B, C), bool), emb, im, _sds((), jnp.int32),
+            _sds((B,), jnp.int32), _sds((B, t.vocab_size), F32))
+
+
+def _decode_avals(model, B: int, N: int, max_len: int):
+    V = model.config.text.vocab_size
+    cache = jax.eval_shape(lambda: model.init_cache(B, max_len))
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    ds = DecodeState(tokens=_sds((B, N), jnp.int32), logits=_sds((B, V), F32), step=_sds((), jnp.int32),
+                     done=_sds((B,), bool), count=_sds((B,), jnp.int32), finish=_sds((B,), jnp.int32),
+                     cache=cache, key=key)
+    params = SamplingParams(_sds((B,), F32), _sds((B,), jnp.int32), _sds((B,), F32), _sds((B,), F32))
+    return (ds, params, _sds((V,), bool), _sds((V,), bool), _sds((B,), jnp.int32), _sds((), jnp.int32))
+
+
+def compile_prefill(model, batch: int, chunk: int, max_len: int, *, with_embeds: bool = False) -> float:
+    """Compile the prefill chunk function for ids [batch, chunk] and a cache of ``max_len``."""
+    graphdef, state = _split(model)
+    return _executable("prefill", graphdef, (state, *_prefill_avals(model, batch, chunk, max_len, with_embeds)))[1]
+
+
+def compile_decode(model, batch: int, new_tokens: int, max_len: int) -> float:
+    """Compile the decode while_loop for [batch] rows, a [batch, new_tokens] buffer, cache ``max_len``."""
+    graphdef, state = _split(model)
+    return _executable("decode_loop", graphdef, (state, *_decode_avals(model, batch, new_tokens, max_len)))[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# the user API
+
+@dataclasses.dataclass
+class GenerationResult:
+    """``tokens[i]``: the new tokens of prompt i (a sampled stop id is included, as the last
+    token); ``finish_reasons[i]``: "stop" (a stop id was sampled) or "length" (its
+    max_new_tokens reached); ``timings``: compile_s (compilation during this call), prefill_s and
+    decode_s (device run time, compilation excluded), total_s, compiles (new executables),
+    decode_steps (loop iterations); ``shapes``: the buckets used."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    timings: dict
+    shapes: dict
+
+
+@dataclasses.dataclass
+class StreamStep:
+    """One decode step of ``generate_stream``: ``tokens[i]`` is the token prompt i produced at this
+    step (None once it had finished before the step); ``finish_reasons[i]`` is None while the
+    sequence runs, then "stop" / "length"."""
+
+    step: int
+    tokens: list[int | None]
+    finish_reasons: list[str | None]
+
+
+@dataclasses.dataclass
+class _Run:
+    ex: Any
+    state: Any
+    ds: DecodeState
+    args: tuple  # (params, stop_mask, banned, max_new)
+    n: int
+    N: int
+    timings: dict
+    shapes: dict
+
+
+def _per_row(name: str, v, n: int) -> np.ndarray:
+    a = np.asarray(v)
+    if a.ndim == 0:
+        a = np.full((n,), a)
+    if a.shape != (n,) or not np.all(np.equal(np.mod(a, 1), 0)):
+        raise ValueError(f"generate: {name} must be an integer or {n} integers, got {v!r}")
+    return a.astype(np.int64)
+
+
+def _id_mask(ids, V: int, what: str) -> np.ndarray:
+    m = np.zeros((V,), bool)
+    ids = [int(i) for i in (ids or ())]
+    bad = [i for i in ids if not 0 <= i < V]
+    if bad:
+        raise ValueError(f"generate: {what} {bad} outside the vocabulary [0, {V})")
+    m[ids] = True
+    return m
+
+
+def _pad_rows(x, B: int, L: int, dtype, name: str, n: int, longest: int):
+    a = np.asarray(x)
+    if a.shape[0] != n or a.ndim < 2 or a.shape[1] < longest:
+        raise ValueError(f"generate: {name} must have shape [{n}, >= {longest}, ...] (one row per prompt, "
+                         f"covering the longest prompt), got {list(a.shape)}")
+    a = a[:, :L].astype(dtype)
+    out = np.zeros((B, L, *a.shape[2:]), dtype)
+    out[:n, :a.shape[1]] = a
+    return out
+
+
+def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_len, inputs_embeds, image_mask,
+             prefill_chunk, banned_ids, buckets: Buckets) -> _Run:
+    t_start = time.perf_counter()
+    cfg = model.config
+    V = cfg.text.vocab_size
+    prompts = [list(p) for p in prompts]
+    n = len(prompts)
+    if n == 0:
+        raise ValueError("generate: empty batch (no prompts)")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty (every prompt needs at least one token)")
+        if min(p) < 0 or max(p) >= V:
+            raise ValueError(f"generate: prompt {i} has token ids outside the vocabulary [0, {V})")
+    max_new = _per_row("max_new_tokens", max_new_tokens, n)
+    if np.any(max_new < 1):
+        raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new.tolist()}")
+    chunk = prefill_chunk or buckets.prefill_chunk
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"generate: prefill_chunk must be >= 1, got {chunk}")
+    B = buckets.batch(n)
+    longest = max(len(p) for p in prompts)
+    L = buckets.prompt_len(longest, chunk)
+    N = buckets.new_tokens(int(max_new.max()))
+    cap = int(max_len) if max_len is not None else buckets.cache_len(L, N)
+    for i, p in enumerate(prompts):
+        if len(p) + max_new[i] > cap:
+            raise ValueError(f"generate: prompt {i} ({len(p)} tokens) + max_new_tokens {int(max_new[i])} exceeds the "
+                             f"cache capacity max_len={cap}")
+    if sampling is None:
+        sampling = SamplingParams.greedy(n)
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError("generate: sampling must be a SamplingParams (see SamplingParams.make)")
+    sampling.validate()
+    if sampling.batch != n:
+        raise ValueError(f"generate: sampling parameters are for {sampling.batch} rows, got {n} prompts")
+    params = sampling.pad(B)
+    stop_mask = _id_mask((cfg.eos_token_id,) if stop_ids is None else stop_ids, V, "stop ids")
+    banned = _id_mask((cfg.image_token_id,) if banned_ids is None else banned_ids, V, "banned ids")
+
+    pb = pad_prompts(prompts, length=L, batch=B, pad_id=cfg.pad_token_id, buckets=buckets)
+    emb = im = None
+    if inputs_embeds is not None:
+        emb = _pad_rows(inputs_embeds, B, L, np.dtype(model.numerics.dtype), "inputs_embeds", n, longest)
+        if emb.ndim != 3 or emb.shape[-1] != cfg.text.hidden_size:
+            raise ValueError(f"generate: inputs_embeds must be [n, L, {cfg.text.hidden_size}]")
+    if image_mask is not None or emb is not None:
+        im = (np.zeros((B, L), bool) if image_mask is None
+              else _pad_rows(image_mask, B, L, bool, "image_mask", n, longest))
+        im &= pb.valid
+
+    graphdef, state = _split(model)
+    timings = {"compile_s": 0.0, "compiles": 0}
+
+    def get(kind, args):
+        ex, dt = _executable(kind, graphdef, args)
+        timings["compile_s"] += dt
+        timings["compiles"] += int(dt > 0)
+        return ex
+
+    # ---- prefill
+    C = chunk or L
+    cache = model.init_cache(B, cap)
+    prev = jnp.zeros((B, V), F32)
+    last_idx = jnp.asarray(pb.lengths - 1, jnp.int32)
+    n_chunks = -(-longest // C)
+    t_run = 0.0
+    for c in range(n_chunks):
+        sl = slice(c * C, (c + 1) * C)
+        args = (state, cache, jnp.asarray(pb.ids[:, sl]), jnp.asarray(pb.valid[:, sl]),
+                None if emb is None else jnp.asarray(emb[:, sl]), None if im is None else jnp.asarray(im[:, sl]),
+                jnp.asarray(c * C, jnp.int32), last_idx, prev)
+        ex = get("prefill", args)
+        t0 = time.perf_counter()
+        cache, prev = ex(*args)
+        t_run += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    prev.block_until_ready()
+    timings["prefill_s"] = t_run + time.perf_counter() - t0
+
+    # ---- decode state
+    real = np.arange(B) < n
+    mn = np.zeros((B,), np.int32)
+    mn[:n] = max_new
+    ds = DecodeState(tokens=jnp.asarray(np.full((B, N), -1, np.int32)), logits=prev,
+                     step=jnp.asarray(0, jnp.int32), done=jnp.asarray(~real), count=jnp.zeros((B,), jnp.int32),
+                     finish=jnp.asarray(np.where(real, 0, 2).astype(np.int32)), cache=cache,
+                     key=jax.random.PRNGKey(seed))
+    args = (params, jnp.asarray(stop_mask), jnp.asarray(banned), jnp.asarray(mn))
+    ex = get("decode_loop", (state, ds, *args, jnp.asarray(N, jnp.int32)))
+    timings["setup_s"] = time.perf_counter() - t_start - timings["compile_s"] - timings["prefill_s"]
+    shapes = {"batch": B, "prompt_len": L, "chunk": C, "new_tokens": N, "max_len": cap}
+    return _Run(ex=ex, state=state, ds=ds, args=args, n=n, N=N, timings=timings, shapes=shapes)
+
+
+def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens, sampling: SamplingParams | None = None,
+             stop_ids: Sequence[int] | None = None, seed: int = 0, max_len: int | None = None, inputs_embeds=None,
+             image_mask=None, prefill_chunk: int | None = None, banned_ids: Sequence[int] | None = None,
+             buckets: Buckets = DEFAULT_BUCKETS) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens for each prompt (a batch of token-id lists).
+
+    ``max_new_tokens``: int or one per prompt. ``sampling``: :class:`SamplingParams` for the
+    ``len(prompts)`` rows (default greedy). ``stop_ids``: ids that end a sequence (default the
+    config's eos id; ``()`` for none). ``banned_ids``: ids never sampled (default the image
+    placeholder id). ``seed``: PRNG seed (row b's draw at step t uses
+    ``fold_in(fold_in(PRNGKey(seed), t), b)``). ``max_len``: cache capacity (default the bucket
+    ``buckets.cache_len``; a shape, so keep it fixed across requests). ``inputs_embeds`` [n, >=L,
+    hidden] / ``image_mask`` [n, >=L] bool: prompt embeddings with image spans (prefill only; the
+    decode embeds the sampled ids). ``prefill_chunk``: prefill in chunks of this many tokens.
+
+    Raises ValueError for an empty batch or prompt, ids outside the vocabulary, a batch larger
+    than ``buckets.max_batch``, a prompt longer than the largest length bucket, prompt +
+    max_new_tokens beyond ``max_len``, and invalid sampling values.
+    """
+    run = _prepare(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed,
+                   max_len=max_len, inputs_embeds=inputs_embeds, image_mask=image_mask, prefill_chunk=prefill_chunk,
+                   banned_ids=banned_ids, buckets=buckets)
+    t0 = time.perf_counter()
+    ds = run.ex(run.state, run.ds, *run.args, jnp.asarray(run.N, jnp.int32))
+    tokens, count, finish, step = jax.device_get((ds.tokens, ds.count, ds.finish, ds.step))
+    tm = run.timings
+    tm["decode_s"] = time.perf_counter() - t0
+    tm["decode_steps"] = int(step)
+    tm["total_s"] = tm["compile_s"] + tm["prefill_s"] + tm["setup_s"] + tm["decode_s"]
+    n = run.n
+    return GenerationResult(tokens=[tokens[i, :count[i]].tolist() for i in range(n)],
+                            finish_reasons=[FINISH_REASONS[int(f)] for f in finish[:n]],
+                            timings=tm, shapes=run.shapes)
+
+
+def generate_stream(model, prompts: Sequence[Sequence[int]], *, max_new_tokens,
+                    sampling: SamplingParams | None = None, stop_ids: Sequence[int] | None = None, seed: int = 0,
+                    max_len: int | None = None, inputs_embeds=None, image_mask=None,
+                    prefill_chunk: int | None = None, banned_ids: Sequence[int] | None = None,
+                    buckets: Buckets = DEFAULT_BUCKETS) -> Iterator[StreamStep]:
+    """Same arguments and tokens as :func:`generate`, yielded one :class:`StreamStep` per decode
+    step. Validation and the prefill happen at the call; the returned iterator runs the same
+    compiled decode loop one step per ``next``."""
+    run = _prepare(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed,
+                   max_len=max_len, inputs_embeds=inputs_embeds, image_mask=image_mask, prefill_chunk=prefill_chunk,
+                   banned_ids=banned_ids, buckets=buckets)
+    return _stream(run)
+
+
+def _stream(run: _Run) -> Iterator[StreamStep]:
+    ds, n = run.ds, run.n
+    prev_done = np.zeros((n,), bool)
+    for step in range(run.N):
+        ds = run.ex(run.state, ds, *run.args, jnp.asarray(step + 1, jnp.int32))
+        tokens, done, finish = jax.device_get((ds.tokens, ds.done, ds.finish))
+        col = tokens[:n, step]
+        yield StreamStep(step=step, tokens=[None if prev_done[i] else int(col[i]) for i in range(n)],
+                         finish_reasons=[FINISH_REASONS.get(int(f)) for f in finish[:n]])
+        prev_done = done[:n].copy()
+        if np.all(done):
+            return

@@ -153,6 +153,18 @@ def _captured_forward(model, ids, **kw):
 
 def run_case(case_dir: str, only: tuple[str, ...] = KINDS, weights: str | None = None, mesh=None,
              log: Callable[[str], None] = print) -> list[Result]:
+    """Run every check of ``only``; with ``mesh`` the parameters, cache and inputs are placed by
+    ``dsv41_jax.sharding``'s rules and everything runs under that mesh (expert-parallel MoE)."""
+    if mesh is None:
+        return _run_case(case_dir, only, weights, None, log)
+    from dsv41_jax.sharding import use_mesh
+
+    with use_mesh(mesh):
+        return _run_case(case_dir, only, weights, mesh, log)
+
+
+def _run_case(case_dir: str, only: tuple[str, ...], weights: str | None, mesh,
+              log: Callable[[str], None]) -> list[Result]:
     import jax
     import jax.numpy as jnp
 
@@ -215,6 +227,15 @@ def run_case(case_dir: str, only: tuple[str, ...] = KINDS, weights: str | None =
         model = restore_model(weights, case.numerics, config=cfg, mesh=mesh)
     else:
         model = load_original(case_dir, case.numerics, text_only=not has_images)
+    shard = lambda x: x  # noqa: E731
+    if mesh is not None:
+        from dsv41_jax import sharding
+
+        notes: list[str] = []
+        sharding.shard_model(model, mesh, notes=notes)
+        shard = lambda x: sharding.shard_batch(x, mesh)  # noqa: E731
+        log(f"  mesh {dict(mesh.shape)}: {len(notes)} tensor(s) not split as the rules ask"
+            + "".join(f"\n    {n}" for n in notes))
     log(f"  [{os.path.basename(case_dir.rstrip('/'))}] model loaded in {time.time() - t0:.1f}s "
         f"({case.numerics.compute_dtype}, {case.numerics.mode})")
     S = ids.shape[1]
@@ -222,9 +243,9 @@ def run_case(case_dir: str, only: tuple[str, ...] = KINDS, weights: str | None =
     dec = [b.get("decode_tokens", []) for b in case.meta["batch"]]
     n_dec = min(len(d) for d in dec) if dec else 0
     dec_ids = np.array([d[:n_dec] for d in dec], np.int64).reshape(B, n_dec)
-    jids = jnp.asarray(ids, jnp.int32)
-    jmask = jnp.asarray(image_mask) if has_images else None
-    eh = None if hashes is None else jnp.asarray(hashes, jnp.int32)
+    jids = shard(jnp.asarray(ids, jnp.int32))
+    jmask = shard(jnp.asarray(image_mask)) if has_images else None
+    eh = None if hashes is None else shard(jnp.asarray(hashes, jnp.int32))
 
     embeds = None
     if has_images:
@@ -281,6 +302,10 @@ def run_case(case_dir: str, only: tuple[str, ...] = KINDS, weights: str | None =
         from dsv41_jax.generate import decode_step_fn, prefill_fn
 
         cache = model.init_cache(B, S + n_dec)
+        if mesh is not None:
+            from dsv41_jax.sharding import shard_cache
+
+            cache = shard_cache(cache, mesh)
         logits, cache = prefill_fn(model, jids, cache, inputs_embeds=embeds, image_mask=jmask,
                                    engram_hashes=None if eh is None else eh[:, :S])
         outs = []

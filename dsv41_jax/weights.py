@@ -141,6 +141,22 @@ def dequantize_tensor(ck, name: str, block: tuple[int, int] = (32, 32)) -> np.nd
     raise WeightError(f"tensor {name}: unexpected dtype {dtype}")
 
 
+def attach_token_map(model, directory: str, cache_dir: str | None = None) -> None:
+    """Give the model's Engram hasher the compressed token map of the checkpoint's tokenizer
+    (cached as ``engram_token_map.npy`` in ``cache_dir`` when given, e.g. a converted checkpoint)."""
+    if getattr(model, "engram_hasher", None) is None:
+        return
+    from dsv41_jax.engram_hash import TOKEN_MAP_FILE, load_or_build_token_map
+
+    tok = os.path.join(directory, "tokenizer.json")
+    if not os.path.exists(tok):
+        raise WeightError(f"{directory}: no tokenizer.json; the Engram layers need it for their token map")
+    t = model.config.text
+    tmap = load_or_build_token_map(tok, t.vocab_size, os.path.join(cache_dir, TOKEN_MAP_FILE) if cache_dir else None,
+                                   compressed_vocab_size=t.engram_compressed_vocab_size)
+    model.engram_hasher.set_token_map(tmap)
+
+
 def _linear_modules(model):
     from dsv41_jax.model.layers import Linear
     from dsv41_jax.model.moe import Experts
@@ -190,6 +206,7 @@ def load_original(directory: str, numerics, *, text_only: bool = False, config=N
         return arr.astype(np.float32)
 
     assign_params(model, get, available, n_experts=cfg.text.n_routed_experts, convert=convert)
+    attach_token_map(model, directory)
     # scales must belong to a weight the model consumed
     problems = []
     for n in ck.names:

@@ -44,6 +44,12 @@ class DeepseekV41(nnx.Module):
         self.layers = nnx.List([Block(t, p, numerics, vision=vision, engram_quantized=engram_quantized)
                                 for p in t.layers])
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=dt)
+        if t.engram_layer_ids:
+            from dsv41_jax.engram_hash import EngramHasher
+
+            self.engram_hasher = EngramHasher(t)
+        else:
+            self.engram_hasher = None
         self.head = Head(t.vocab_size, t.hidden_size, dt)
         if vision and not text_only:
             from dsv41_jax.model.vision import build_vision_modules
@@ -114,6 +120,9 @@ class DeepseekV41(nnx.Module):
             cache = self.init_cache(B, S)
         emb = self.embed(input_ids, self.numerics.dtype) if inputs_embeds is None else inputs_embeds.astype(self.numerics.dtype)
         engram_mask = valid if image_mask is None else (valid & ~image_mask)
+        if engram_hashes is None and self.engram_hasher is not None:
+            engram_hashes, hist = self.engram_hasher(input_ids, dead=image_mask, hist=cache["engram_hist"], valid=valid)
+            cache = dict(cache, engram_hist=hist)
         y, cache = self.run_layers(self.expand(emb), positions, valid, cache, image_mask=image_mask,
                                    engram_hashes=engram_hashes, engram_mask=engram_mask, capture=capture,
                                    teacher=teacher)

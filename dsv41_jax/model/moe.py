@@ -11,6 +11,7 @@ from dsv41_jax.config import TextConfig
 from dsv41_jax.model.layers import HIGHEST, Linear, matmul
 from dsv41_jax.numerics import Numerics
 from dsv41_jax import quant
+from dsv41_jax.model import moe_ep
 
 F32 = jnp.float32
 
@@ -127,6 +128,29 @@ class MoE(nnx.Module):
         y = jnp.einsum("tki,tkdi->tkd", ha.astype(cd), w2.astype(cd), precision=HIGHEST, preferred_element_type=F32).astype(dt)
         return jnp.sum(y.astype(F32), axis=1)
 
+    def routed_ragged(self, x, w, ids):
+        """Grouped matmul over (token, slot) pairs sorted by expert (``jax.lax.ragged_dot``):
+        every routed product is computed once, with the same rounding points as the dense path."""
+        dt = self.numerics.dtype
+        ex = self.experts
+        T, k = ids.shape
+        E = self.n_experts
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        tok = order // k
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+        xa, cd = self._aq(x)
+        xs = xa[tok].astype(cd)
+        kw = dict(precision=HIGHEST, preferred_element_type=F32)
+        w1 = jnp.swapaxes(ex.w1.weight[...], 1, 2).astype(cd)  # [E, D, I]
+        w3 = jnp.swapaxes(ex.w3.weight[...], 1, 2).astype(cd)
+        g = jax.lax.ragged_dot(xs, w1, sizes, **kw).astype(dt)
+        u = jax.lax.ragged_dot(xs, w3, sizes, **kw).astype(dt)
+        h = (w.reshape(-1)[order][:, None] * swiglu(g, u, self.limit)).astype(dt)
+        ha, cd = self._aq(h)
+        y = jax.lax.ragged_dot(ha.astype(cd), jnp.swapaxes(ex.w2.weight[...], 1, 2).astype(cd), sizes, **kw).astype(dt)
+        return jnp.zeros((T, y.shape[-1]), F32).at[tok].add(y.astype(F32))
+
     def __call__(self, x, image_mask=None, capture=None):
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
@@ -136,9 +160,12 @@ class MoE(nnx.Module):
             capture["moe_topk"] = ids.reshape(*shape[:-1], -1)
             capture["moe_weights"] = w.reshape(*shape[:-1], -1)
         T = xt.shape[0]
-        if T * w.shape[-1] < self.n_experts:
+        y = moe_ep.routed(self, xt, w, ids)  # expert parallel under a mesh with "expert" > 1, else None
+        if y is None and T * w.shape[-1] < self.n_experts:
             y = self.routed_gather(xt, w, ids)
-        else:
+        elif y is None and T * w.shape[-1] < 4 * self.n_experts:
             y = self.routed_dense(xt, w, ids)
+        elif y is None:
+            y = self.routed_ragged(xt, w, ids)
         y = y + self.shared_experts(xt).astype(F32)
         return y.astype(x.dtype).reshape(shape)

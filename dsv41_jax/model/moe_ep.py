@@ -1,0 +1,156 @@
+"""Expert-parallel routed experts inside ``shard_map``.
+
+Used by ``MoE.__call__`` when the active mesh (``jax.set_mesh`` / ``sharding.use_mesh``) has an
+"expert" axis larger than 1. The router runs replicated outside (its fp32 logits and top-k are
+the unsharded ones); inside ``shard_map`` each device holds ``E / expert`` experts (their
+intermediate dim split over "tensor" when it divides) and the tokens of its "data" shard:
+
+1. keep the route weights of the local experts (zero elsewhere),
+2. compute the local experts: dense over the local experts for chunks (exact, like
+   ``MoE.routed_dense``), or a gather of only the selected local experts' weights for decode
+   (like ``MoE.routed_gather``),
+3. combine: ``psum`` over "tensor" of the fp32 partial ``w2`` products (the intermediate dim is
+   split) and ``psum`` over "expert" of the per-token sums.
+
+Rounding points are those of ``dsv41_jax.model.moe``: each expert output is rounded to the compute
+dtype after its full fp32 ``w2`` product (so with a bf16 compute dtype the "tensor" reduction
+runs on [T, E_local, D] before that rounding), the sum over experts is fp32, and the caller adds
+the shared expert and casts. The only differences to the unsharded MoE are fp32 summation orders.
+
+Where a grouped matmul belongs: step 2's dense einsum over local experts computes every
+(token, local expert) pair; at scale, sort the (token, slot) pairs by local expert and run
+``jax.lax.ragged_dot`` over the groups (or dispatch tokens with an all-to-all over "expert" and
+capacity buckets), then un-sort before the "expert" psum.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.model.layers import HIGHEST
+
+F32 = jnp.float32
+QUANT_BLOCK = 32  # activation fake-quant block along the intermediate dim (reference numerics)
+
+
+# ------------------------------------------------------------------------------------ compat
+def shard_map(f, *, mesh, in_specs, out_specs, check: bool = True):
+    """``jax.shard_map`` (JAX >= 0.7) or ``jax.experimental.shard_map.shard_map`` (older)."""
+    sm = getattr(jax, "shard_map", None)
+    if sm is not None:
+        return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+    from jax.experimental.shard_map import shard_map as old  # pragma: no cover - old jax
+
+    return old(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+
+
+def active_mesh():
+    """The active (context) mesh, or None when there is none."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    if get is None:  # pragma: no cover - old jax
+        return None
+    m = get()
+    if m is None or getattr(m, "empty", False) or not getattr(m, "shape", None):
+        return None
+    return m
+
+
+def _sizes(mesh) -> dict[str, int]:
+    return {str(k): int(v) for k, v in dict(mesh.shape).items()}
+
+
+def _manual(mesh, axis: str) -> bool:
+    types = getattr(mesh, "axis_types", None)
+    names = tuple(getattr(mesh, "axis_names", ()))
+    if not types or axis not in names:
+        return False
+    return "manual" in str(types[names.index(axis)]).lower()
+
+
+def expert_mesh():
+    """The active mesh when it has an "expert" axis > 1 (not already manual), else None."""
+    m = active_mesh()
+    if m is None or _sizes(m).get("expert", 1) <= 1 or _manual(m, "expert"):
+        return None
+    return m
+
+
+# ------------------------------------------------------------------------------------ plan
+def plan(moe, mesh, n_tokens: int):
+    """Static decisions: (split intermediate over "tensor", token axis, use gather) or None when the
+    expert count does not divide the "expert" axis (the caller keeps the unsharded path)."""
+    sizes = _sizes(mesh)
+    ep, tp, dp = sizes.get("expert", 1), sizes.get("tensor", 1), sizes.get("data", 1)
+    E = moe.n_experts
+    if E % ep:
+        return None
+    I = moe.experts.w1.weight.shape[1]
+    fq = bool(moe.experts.quantized and moe.numerics.fake_quant)
+    split = tp > 1 and I % tp == 0
+    if split and fq and I % QUANT_BLOCK == 0 and (I // tp) % QUANT_BLOCK:
+        split = False  # a split would cut the activation fake-quant blocks of h
+    tok = "data" if dp > 1 and n_tokens % dp == 0 else None
+    k = moe.gate.k
+    gather = n_tokens * k < E  # same decision as the unsharded MoE
+    return split, tok, gather
+
+
+# ------------------------------------------------------------------------------------ body
+def _local(moe, split: bool, gather: bool, x, w, ids, w1, w3, w2):
+    """One device: x [t, D], w/ids [t, k]; w1/w3 [E_l, I_l, D], w2 [E_l, D, I_l]."""
+    from dsv41_jax.model.moe import swiglu
+
+    dt = moe.numerics.dtype
+    El = w1.shape[0]
+    lid = ids - jax.lax.axis_index("expert") * El
+    local = (lid >= 0) & (lid < El)
+    wl = jnp.where(local, w, 0.0).astype(F32)
+    xa, cd = moe._aq(x)
+    dot = functools.partial(jnp.einsum, precision=HIGHEST, preferred_element_type=F32)
+    if gather:
+        sel = jnp.clip(lid, 0, El - 1)
+        g = dot("td,tkid->tki", xa.astype(cd), w1[sel].astype(cd)).astype(dt)
+        u = dot("td,tkid->tki", xa.astype(cd), w3[sel].astype(cd)).astype(dt)
+        h = (wl[..., None] * swiglu(g, u, moe.limit)).astype(dt)
+        ha, cd = moe._aq(h)
+        y = dot("tki,tkdi->tkd", ha.astype(cd), w2[sel].astype(cd))
+    else:
+        full = jnp.sum(jax.nn.one_hot(lid, El, dtype=F32) * wl[..., None], axis=-2)  # [t, E_l]
+        g = dot("td,eid->tei", xa.astype(cd), w1.astype(cd)).astype(dt)
+        u = dot("td,eid->tei", xa.astype(cd), w3.astype(cd)).astype(dt)
+        h = (full[..., None] * swiglu(g, u, moe.limit)).astype(dt)
+        ha, cd = moe._aq(h)
+        y = dot("tei,edi->ted", ha.astype(cd), w2.astype(cd))
+    axes = ("expert",)
+    if split:
+        if dt == F32:  # rounding to fp32 is the identity: reduce after the expert sum (smaller)
+            axes = ("expert", "tensor")
+        else:  # the full w2 product first, then round each expert output like the unsharded MoE
+            y = jax.lax.psum(y, "tensor")
+    y = y.astype(dt)
+    if gather:
+        y = jnp.where(local[..., None], y, jnp.zeros((), dt))
+    y = jnp.sum(y.astype(F32), axis=1)
+    return jax.lax.psum(y, axes)
+
+
+def routed(moe, x, w, ids, mesh=None):
+    """Routed-expert sum [T, D] fp32 for x [T, D], route weights w [T, k] fp32 and ids [T, k],
+    expert parallel over the active mesh; None when the mesh does not apply (caller falls back)."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = expert_mesh() if mesh is None else mesh
+    if mesh is None:
+        return None
+    p = plan(moe, mesh, x.shape[0])
+    if p is None:
+        return None
+    split, tok, gather = p
+    ex = moe.experts
+    ffn = "tensor" if split else None
+    in_specs = (P(tok), P(tok), P(tok), P("expert", ffn, None), P("expert", ffn, None), P("expert", None, ffn))
+    fn = shard_map(functools.partial(_local, moe, split, gather), mesh=mesh, in_specs=in_specs,
+                   out_specs=P(tok))
+    return fn(x, w.astype(F32), ids.astype(jnp.int32), ex.w1.weight[...], ex.w3.weight[...], ex.w2.weight[...])
