@@ -1,8 +1,9 @@
 """Shape buckets: every shape the jitted prefill / decode functions see is decided here.
 
 * batch: the next power of two >= max(n, ``min_batch``), at most ``max_batch``;
-* prompt length: the next power of two >= max(n, ``min_len``), rounded up to a multiple of the
-  prefill chunk when chunking, at most ``max_len``;
+* prompt length: the next power of two >= max(n, ``min_len``), at most ``max_len`` (whole
+  prefill compiles ``[batch, bucket]``; chunked prefill compiles ``[batch, chunk]`` whatever the
+  prompt length, the prompts being padded on the host to a multiple of the chunk);
 * new-token buffer: the next power of two >= max(max_new_tokens, ``min_new``); the per-row
   ``max_new_tokens`` themselves are values inside that buffer;
 * cache capacity (when the caller gives no ``max_len``): the next power of two >= prompt
@@ -126,8 +127,7 @@ def precompile(model, batch_buckets: Sequence[int], len_buckets: Sequence[int], 
     before = gen.compile_stats()
     shapes = []
     for B in batch_buckets:
-        for L0 in len_buckets:
-            L = round_up(L0, chunk) if chunk else L0
+        for L in len_buckets:
             for N in new_buckets:
                 cap = max_len if max_len is not None else buckets.cache_len(L, N)
                 C = chunk or L

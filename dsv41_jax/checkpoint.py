@@ -287,8 +287,11 @@ def write_group(directory: str, tree: Mapping[str, LazyArray], *, compress: bool
     only when the group is complete."""
     import orbax.checkpoint as ocp
 
+    import jax
+
     handler = _lazy_handler_class()()
-    reg = ocp.type_handlers.create_type_handler_registry((LazyArray, handler))
+    reg = ocp.type_handlers.create_type_handler_registry((LazyArray, handler),
+                                                         )
     h = ocp.PyTreeCheckpointHandler(type_handler_registry=reg, use_ocdbt=True, use_zarr3=True,
                                     use_compression=compress)
     ckptr = ocp.Checkpointer(h)

@@ -318,9 +318,11 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
         raise ValueError(f"generate: prefill_chunk must be >= 1, got {chunk}")
     B = buckets.batch(n)
     longest = max(len(p) for p in prompts)
-    L = buckets.prompt_len(longest, chunk)
+    Lb = buckets.prompt_len(longest)
+    C = chunk or Lb
+    L = round_up(Lb, C)  # host padding only: the compiled shapes are [B, C] and the cache
     N = buckets.new_tokens(int(max_new.max()))
-    cap = int(max_len) if max_len is not None else buckets.cache_len(L, N)
+    cap = int(max_len) if max_len is not None else buckets.cache_len(Lb, N)
     for i, p in enumerate(prompts):
         if len(p) + max_new[i] > cap:
             raise ValueError(f"generate: prompt {i} ({len(p)} tokens) + max_new_tokens {int(max_new[i])} exceeds the "
@@ -357,7 +359,6 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
         return ex
 
     # ---- prefill
-    C = chunk or L
     cache = model.init_cache(B, cap)
     prev = jnp.zeros((B, V), F32)
     last_idx = jnp.asarray(pb.lengths - 1, jnp.int32)
@@ -387,7 +388,7 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
     args = (params, jnp.asarray(stop_mask), jnp.asarray(banned), jnp.asarray(mn))
     ex = get("decode_loop", (state, ds, *args, jnp.asarray(N, jnp.int32)))
     timings["setup_s"] = time.perf_counter() - t_start - timings["compile_s"] - timings["prefill_s"]
-    shapes = {"batch": B, "prompt_len": L, "chunk": C, "new_tokens": N, "max_len": cap}
+    shapes = {"batch": B, "prompt_len": Lb, "chunk": C, "new_tokens": N, "max_len": cap}
     return _Run(ex=ex, state=state, ds=ds, args=args, n=n, N=N, timings=timings, shapes=shapes)
 
 

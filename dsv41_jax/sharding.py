@@ -43,10 +43,15 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "experts": ("expert",),        # routed experts
     "expert_ffn": ("tensor",),     # intermediate dim of the routed experts
     "ffn": ("tensor",),            # intermediate dim of the shared expert
-    "vocab": ("tensor",),          # embedding / head rows
+    "vocab": ("tensor", "expert"),  # embedding / head rows (all model-parallel devices)
     "table_rows": ("expert", "tensor"),  # Engram hash-table rows (the largest tensors of all)
-    "engram_out": ("tensor",),     # Engram key/value projection rows
+    "engram_out": ("tensor", "expert"),  # Engram key/value projection rows
 }
+
+# logical axes whose dimension is zero-padded up to a multiple of the split instead of falling
+# back: Engram table rows are only ever gathered at ids < the true row count, so pad rows are
+# never read (V4.1-Flash's second table has 384016682 rows = 2 x prime).
+PADDED_AXES = frozenset({"table_rows"})
 
 # (regex on the dot-joined path, logical axes per dimension; REPLICATED = all None).
 # Cache leaves are matched as "cache.<path>" (e.g. "cache.layers.3.win_kv", "cache.length").
@@ -82,11 +87,13 @@ RULES: tuple[tuple[str, tuple], ...] = (
     # --- vision tower, aligner, span markers: data parallel (replicated weights)
     (r"^(vision|aligner)\.", REPLICATED),
     (r"^image_(start|end|newline)$", REPLICATED),
+    # --- on-device Engram hashing constants (token map, primes, ...): replicated
+    (r"^engram_hasher\.", REPLICATED),
     # --- caches: batch on "data", everything else (shared latent, compressed KV) replicated
     (r"^cache\.layers\.\d+\.(win_kv|cmp_kv|idx_k|st_kv|st_score)$", ("batch", None, None)),
     (r"^cache\.layers\.\d+\.win_pos$", ("batch", None)),
     (r"^cache\.length$", ("batch",)),
-    (r"^cache\.engram_(ids|dead)$", ("batch", None)),
+    (r"^cache\.engram_(hist|ids|dead)$", ("batch", None)),
 )
 
 _COMPILED = tuple((re.compile(p), spec) for p, spec in RULES)
@@ -224,7 +231,12 @@ class Placement:
     shape: tuple[int, ...]
     logical: tuple | None       # the rule's logical axes (None: no rule matched)
     spec: Any                   # jax.sharding.PartitionSpec
-    notes: list[str]
+    notes: list[str]            # fallbacks: dimensions not split as the rule asks
+    padded_shape: tuple[int, ...] | None = None  # set when a PADDED_AXES dimension is zero-padded
+
+    @property
+    def placed_shape(self) -> tuple[int, ...]:
+        return self.padded_shape or self.shape
 
 
 def _resolve(name: str, shape: Sequence[int], logical: tuple | None, sizes: Mapping[str, int],
@@ -242,6 +254,7 @@ def _resolve(name: str, shape: Sequence[int], logical: tuple | None, sizes: Mapp
         raise ShardingError(f"{name}: rule has {len(logical)} axes for a tensor of rank {len(shape)}")
     used: set[str] = set()
     out = []
+    padded = list(shape)
     for dim, (size, lax) in enumerate(itertools.zip_longest(shape, logical)):
         if lax is None:
             out.append(None)
@@ -253,7 +266,13 @@ def _resolve(name: str, shape: Sequence[int], logical: tuple | None, sizes: Mapp
             out.append(None)
             continue
         chosen = None
+        if lax in PADDED_AXES:
+            n = math.prod(sizes[a] for a in want)
+            padded[dim] = -(-size // n) * n
+            chosen = tuple(want)
         for r in range(len(want), 0, -1):
+            if chosen:
+                break
             for sub in itertools.combinations(want, r):
                 if size % math.prod(sizes[a] for a in sub) == 0:
                     chosen = sub
@@ -274,7 +293,8 @@ def _resolve(name: str, shape: Sequence[int], logical: tuple | None, sizes: Mapp
             out.append(chosen[0] if len(chosen) == 1 else chosen)
     while out and out[-1] is None:
         out.pop()
-    return Placement(name, shape, tuple(logical), P(*out), notes)
+    pshape = tuple(padded) if tuple(padded) != shape else None
+    return Placement(name, shape, tuple(logical), P(*out), notes, pshape)
 
 
 def placement(name: str, shape: Sequence[int], mesh, *, strict: bool = False) -> Placement:
@@ -334,16 +354,52 @@ def param_shardings(obj, mesh, *, strict: bool = False, notes: list | None = Non
     return nnx.from_flat_state([(path, NamedSharding(mesh, p.spec)) for (path, *_), p in zip(flat, pls)])
 
 
+def _pad_to(v, shape):
+    pad = [(0, n - o) for o, n in zip(v.shape, shape)]
+    if isinstance(v, np.ndarray):
+        return np.pad(v, pad)
+    import jax.numpy as jnp
+
+    return jnp.pad(v, pad)
+
+
 def shard_model(model, mesh, *, strict: bool = False, notes: list | None = None):
-    """``jax.device_put`` every variable of ``model`` to its rule's sharding (in place); returns
-    the model."""
+    """``jax.device_put`` every variable of ``model`` to its rule's sharding, in place (Engram
+    tables zero-padded to a multiple of their split first, see ``PADDED_AXES``); returns the
+    model."""
     import jax
     from flax import nnx
+    from jax.sharding import NamedSharding
 
+    sizes = _mesh_sizes(mesh)
     state = nnx.state(model)
-    sh = param_shardings(state, mesh, strict=strict, notes=notes)
-    nnx.update(model, jax.device_put(state, sh))
+    pls = []
+    for path, var in nnx.to_flat_state(state):
+        v = var.get_value()
+        name = ".".join(str(p) for p in path)
+        p = _resolve(name, v.shape, match_rule(name), sizes, strict)
+        if p.padded_shape is not None:
+            log.info("sharding: %s %s zero-padded to %s", name, list(p.shape), list(p.padded_shape))
+            v = _pad_to(v, p.padded_shape)
+        var.set_value(jax.device_put(v, NamedSharding(mesh, p.spec)))
+        pls.append(p)
+    _report(pls, notes)
+    nnx.update(model, state)
     return model
+
+
+def abstract_params(obj, mesh, *, strict: bool = False, notes: list | None = None):
+    """nnx.State of ``jax.ShapeDtypeStruct`` (placed shape, dtype, sharding) per variable: the
+    target to restore a checkpoint straight into the mesh (padded Engram rows included)."""
+    import jax
+    from flax import nnx
+    from jax.sharding import NamedSharding
+
+    flat = _flat_params(obj)
+    pls = param_placements(obj, mesh, strict=strict)
+    _report(pls, notes)
+    return nnx.from_flat_state([(path, jax.ShapeDtypeStruct(p.placed_shape, dtype, sharding=NamedSharding(mesh, p.spec)))
+                                for (path, _, _, dtype), p in zip(flat, pls)])
 
 
 # ------------------------------------------------------------------------------------- caches
@@ -445,10 +501,11 @@ def shardings_table(model, mesh, *, cache=None, bytes_per_element=None) -> list[
         pls += cpl
     for (name, shape, dtype), p in zip(items, pls):
         bpe = np.dtype(dtype).itemsize if bytes_per_element is None else bytes_per_element(name, dtype)
-        total = math.prod(shape) * bpe
+        total = math.prod(p.placed_shape) * bpe
+        note = list(p.notes) + ([f"padded to {list(p.padded_shape)}"] if p.padded_shape else [])
         rows.append(dict(name=name, shape=tuple(shape), dtype=str(np.dtype(dtype)), spec=_spec_str(p.spec),
                          bytes=total, bytes_per_device=total / _split_factor(p.spec, sizes),
-                         note="; ".join(p.notes)))
+                         note="; ".join(note)))
     return rows
 
 

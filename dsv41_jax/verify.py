@@ -306,12 +306,12 @@ def _run_case(case_dir: str, only: tuple[str, ...], weights: str | None, mesh,
             from dsv41_jax.sharding import shard_cache
 
             cache = shard_cache(cache, mesh)
-        logits, cache = prefill_fn(model, jids, cache, inputs_embeds=embeds, image_mask=jmask,
-                                   engram_hashes=None if eh is None else eh[:, :S])
+        # the decode path hashes Engram n-grams on device from the cache's history
+        logits, cache = prefill_fn(model, jids, cache, inputs_embeds=embeds, image_mask=jmask)
         outs = []
         for k in range(n_dec):
             tok = jnp.asarray(dec_ids[:, k:k + 1], jnp.int32)
-            lg, cache = decode_step_fn(model, tok, cache, engram_hashes=None if eh is None else eh[:, S + k:S + k + 1])
+            lg, cache = decode_step_fn(model, tok, cache)
             outs.append(np.asarray(lg[:, -1]))
         check("decode_logits", "decode", np.stack(outs, 1))
     return results

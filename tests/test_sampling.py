@@ -1,6 +1,4 @@
 """dsv41_jax.sampling: exact filter masks, temperature, greedy ties, banned ids, distributions, RNG."""
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,22 +13,63 @@ def _params(B, **kw):
     return SamplingParams.make(B, **kw)
 
 
-_filter = jax.jit(filter_mask)
-_probs = jax.jit(probs)
-_sample = jax.jit(sample, static_argnames=())
+# every helper runs at one padded shape [PB, PV] (extra columns -inf, extra rows greedy), so the
+# whole file compiles each jitted function once
+PB, PV, ND = 8, 64, 4096
+
+
+def _pad_z(z):
+    z = np.asarray(z, F32)
+    out = np.full((PB, PV), -np.inf, F32)
+    out[:, 0] = 0.0
+    out[:z.shape[0], :z.shape[1]] = z
+    out[:z.shape[0], z.shape[1]:] = -np.inf
+    return jnp.asarray(out)
+
+
+def _pad_b(banned, V):
+    m = np.zeros((PV,), bool)
+    if banned is not None:
+        m[:V] = np.asarray(banned_mask(banned, V))
+    return jnp.asarray(m)
+
+
+@jax.jit
+def _filter_j(z, params):
+    return filter_mask(z, params)
+
+
+@jax.jit
+def _probs_j(z, params):
+    return probs(z, params)
+
+
+@jax.jit
+def _draws_j(z, params, key, banned):
+    return jax.vmap(lambda s: sample(z, params, key, s, banned=banned))(jnp.arange(ND, dtype=jnp.int32))
 
 
 def _mask(logits, **kw):
     logits = np.asarray(logits, F32)
-    p = _params(logits.shape[0], **kw)
+    B, V = logits.shape
+    p = _params(B, **kw)
     t = np.where(np.asarray(p.temperature) > 0, np.asarray(p.temperature), 1.0)
-    return np.asarray(_filter(jnp.asarray(logits / t[:, None]), p))
+    return np.asarray(_filter_j(_pad_z(logits / t[:, None]), p.pad(PB)))[:B, :V]
 
 
-@functools.partial(jax.jit, static_argnames=("n",))
-def _draws(logits, params, key, banned, n):
-    """n independent draws per row (one per step fold) -> [n, B]."""
-    return jax.vmap(lambda s: sample(logits, params, key, s, banned=banned))(jnp.arange(n, dtype=jnp.int32))
+def _probs(z, params):
+    B, V = np.shape(z)
+    return np.asarray(_probs_j(_pad_z(z), params.pad(PB)))[:B, :V]
+
+
+def _draws(z, params, key, banned=None):
+    """ND independent draws per row (one per step fold) -> [ND, B]."""
+    B, V = np.shape(z)
+    return np.asarray(_draws_j(_pad_z(z), params.pad(PB), key, _pad_b(banned, V)))[:, :B]
+
+
+def _sample(z, params, key, banned=None):
+    return _draws(z, params, key, banned)[0]
 
 
 def _ref_top_p(p, top_p):
@@ -113,24 +152,23 @@ def test_temperature_scaling_and_filtered_probs():
     rng = np.random.default_rng(2)
     z = rng.normal(size=(3, 10)).astype(F32)
     for T in (0.5, 1.0, 3.0):
-        got = np.asarray(_probs(jnp.asarray(z), _params(3, temperature=T)))
+        got = _probs(z, _params(3, temperature=T))
         want = np.exp(z / T - (z / T).max(-1, keepdims=True)); want /= want.sum(-1, keepdims=True)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
-    got = np.asarray(_probs(jnp.asarray(z), _params(3, temperature=0.7, top_k=4)))
+    got = _probs(z, _params(3, temperature=0.7, top_k=4))
     keep = z >= np.sort(z, -1)[:, -4:-3]
     want = np.where(keep, np.exp(z / 0.7 - (z / 0.7).max(-1, keepdims=True)), 0); want /= want.sum(-1, keepdims=True)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     # greedy rows: one-hot at the argmax
-    g = np.asarray(_probs(jnp.asarray(z), _params(3)))
-    np.testing.assert_array_equal(g, np.eye(10, dtype=F32)[z.argmax(-1)])
+    np.testing.assert_array_equal(_probs(z, _params(3)), np.eye(10, dtype=F32)[z.argmax(-1)])
 
 
 def test_empirical_distribution_matches():
-    z = np.log(np.array([[0.35, 0.25, 0.2, 0.1, 0.06, 0.04], [0.35, 0.25, 0.2, 0.1, 0.06, 0.04]], F32))
+    z = np.log(np.array([[0.35, 0.25, 0.2, 0.1, 0.06, 0.04]] * 2, F32))
     prm = _params(2, temperature=[1.0, 0.8], top_k=[0, 3])
-    n = 20000
-    d = np.asarray(_draws(jnp.asarray(z), prm, jax.random.PRNGKey(0), None, n))
-    want = np.asarray(_probs(jnp.asarray(z), prm))
+    d = np.concatenate([_draws(z, prm, jax.random.PRNGKey(s)) for s in range(5)])
+    n = d.shape[0]
+    want = _probs(z, prm)
     for b in range(2):
         freq = np.bincount(d[:, b], minlength=6) / n
         sd = np.sqrt(want[b] * (1 - want[b]) / n)
@@ -139,18 +177,20 @@ def test_empirical_distribution_matches():
 
 
 def test_greedy_exact_argmax_ties_low_id():
-    z = jnp.asarray([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -0.5]], F32)
-    ids = _sample(z, SamplingParams.greedy(3), jax.random.PRNGKey(0), 0)
-    np.testing.assert_array_equal(np.asarray(ids), [1, 0, 2])
-    assert ids.dtype == jnp.int32
+    z = np.array([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -0.5, -0.5]], F32)
+    np.testing.assert_array_equal(_sample(z, SamplingParams.greedy(3), jax.random.PRNGKey(0)), [1, 0, 2])
+    out = jax.eval_shape(lambda: sample(jnp.asarray(z), SamplingParams.greedy(3), jax.random.PRNGKey(0), 0))
+    assert out.dtype == jnp.int32 and out.shape == (3,)
 
 
 def test_temperature_to_zero_and_top_k1_equal_greedy():
     rng = np.random.default_rng(3)
-    z = jnp.asarray(rng.normal(size=(8, 50)).astype(F32))
-    g = np.asarray(_sample(z, SamplingParams.greedy(8), jax.random.PRNGKey(1), 0))
-    for prm in (_params(8, temperature=1e-4), _params(8, temperature=1.5, top_k=1), _params(8, temperature=1.0, min_p=1.0)):
-        d = np.asarray(_draws(z, prm, jax.random.PRNGKey(1), None, 200))
+    z = rng.normal(size=(8, 50)).astype(F32)
+    g = _sample(z, SamplingParams.greedy(8), jax.random.PRNGKey(1))
+    np.testing.assert_array_equal(g, z.argmax(-1))
+    for prm in (_params(8, temperature=1e-4), _params(8, temperature=1.5, top_k=1),
+                _params(8, temperature=1.0, min_p=1.0)):
+        d = _draws(z, prm, jax.random.PRNGKey(1))
         assert (d == g[None]).all()
 
 
@@ -159,14 +199,13 @@ def test_banned_ids_never_sampled():
     z[:, 5] = 10.0  # the banned id is by far the most likely
     z[1, 3] = 9.0
     for banned in ([5, 6], np.array([0, 0, 0, 0, 0, 1, 1, 0], bool)):
-        bm = banned_mask(banned, 8)
-        d = np.asarray(_draws(jnp.asarray(z), _params(2, temperature=[1.0, 5.0]), jax.random.PRNGKey(2), bm, 2000))
+        d = _draws(z, _params(2, temperature=[1.0, 5.0]), jax.random.PRNGKey(2), banned)
         assert not np.isin(d, [5, 6]).any()
-        g = np.asarray(_sample(jnp.asarray(z), SamplingParams.greedy(2), jax.random.PRNGKey(0), 0, banned=bm))
+        assert len(np.unique(d[:, 0])) == 6  # every allowed id still drawn
+        g = _sample(z, SamplingParams.greedy(2), jax.random.PRNGKey(0), banned)
         assert g[1] == 3 and g[0] not in (5, 6)
     # banned ids do not count toward top-k: the next best survives
-    d = np.asarray(_draws(jnp.asarray(z), _params(2, temperature=1.0, top_k=1), jax.random.PRNGKey(2),
-                          banned_mask([5], 8), 2000))
+    d = _draws(z, _params(2, temperature=1.0, top_k=1), jax.random.PRNGKey(2), [5])
     assert (d[:, 1] == 3).all()
     with pytest.raises(ValueError, match="banned"):
         banned_mask([8], 8)
@@ -174,18 +213,19 @@ def test_banned_ids_never_sampled():
 
 def test_seeded_reproducible_and_rows_independent():
     rng = np.random.default_rng(4)
-    z = jnp.asarray(rng.normal(size=(4, 30)).astype(F32))
+    z = rng.normal(size=(4, 30)).astype(F32)
     prm = _params(4, temperature=1.0)
-    a = np.asarray(_draws(z, prm, jax.random.PRNGKey(7), None, 200))
-    b = np.asarray(_draws(z, prm, jax.random.PRNGKey(7), None, 200))
-    c = np.asarray(_draws(z, prm, jax.random.PRNGKey(8), None, 200))
+    a = _draws(z, prm, jax.random.PRNGKey(7))
+    b = _draws(z, prm, jax.random.PRNGKey(7))
+    c = _draws(z, prm, jax.random.PRNGKey(8))
     np.testing.assert_array_equal(a, b)
     assert (a != c).mean() > 0.5
-    assert len({tuple(a[s]) for s in range(200)}) > 100  # steps are folded: different draws per step
-    # a row's draws depend on (key, step, row) only, not on the other rows
-    z2 = z.at[1:].set(0.0)
-    d = np.asarray(_draws(z2, prm, jax.random.PRNGKey(7), None, 200))
-    np.testing.assert_array_equal(d[:, 0], a[:, 0])
+    assert len({tuple(r) for r in a[:200]}) > 100  # steps are folded: different draws per step
+    # a row's draws depend on (key, step, row) only, not on the other rows nor the batch size
+    z2 = z.copy()
+    z2[1:] = 0.0
+    np.testing.assert_array_equal(_draws(z2, prm, jax.random.PRNGKey(7))[:, 0], a[:, 0])
+    np.testing.assert_array_equal(_draws(z[:1], _params(1, temperature=1.0), jax.random.PRNGKey(7))[:, 0], a[:, 0])
 
 
 def test_invalid_parameters():

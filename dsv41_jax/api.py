@@ -1,0 +1,281 @@
+"""The user-facing model object: load a checkpoint, then ``generate`` / ``logits`` from text,
+chat messages and images.
+
+    m = dsv41_jax.load("ckpt")                 # Orbax (converted) or original DeepSeek directory
+    out = m.generate("What is in <｜deepseek_image｜>?", images=["cat.png"], max_new_tokens=32)
+    print(out.text[0])
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from dsv41_jax import processor
+from dsv41_jax.config import ModelConfig
+from dsv41_jax.numerics import Numerics
+
+BOS = "<｜begin▁of▁sentence｜>"
+EOS = "<｜end▁of▁sentence｜>"
+USER = "<｜User｜>"
+ASSISTANT = "<｜Assistant｜>"
+
+
+class LoadError(ValueError):
+    """A path that is not a usable checkpoint."""
+
+
+@dataclasses.dataclass
+class Generation:
+    """Result of :meth:`DeepseekVL.generate`: per prompt, the decoded ``text`` and new ``tokens``;
+    ``finish_reasons`` ("stop" / "length"); ``timings`` (compile vs run, seconds); and per
+    prompt the image spans' shapes (``image_spans``: (llm_h, llm_w, span_len) per image)."""
+
+    text: list[str]
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    timings: dict
+    image_spans: list[list[tuple[int, int, int]]]
+
+
+@dataclasses.dataclass
+class Prepared:
+    input_ids: list[list[int]]
+    inputs_embeds: Any  # [n, L, D] or None
+    image_mask: Any  # [n, L] bool or None
+    images: list[list[processor.ProcessedImage]]
+
+
+def encode_chat(messages: Sequence[dict], *, thinking: bool = False, add_bos: bool = True) -> str:
+    """Render chat messages in the DeepSeek (V3.2 / V4 family) format.
+
+    ``<｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜></think>{answer}<｜end▁of▁sentence｜>...``
+    ending with ``<｜Assistant｜>`` and ``<think>`` (thinking) or ``</think>`` (direct answer).
+    Image content blocks must already be replaced by the placeholder
+    (:func:`dsv41_jax.processor.messages_with_placeholders`).
+    """
+
+    def text_of(content) -> str:
+        if isinstance(content, str):
+            return content
+        parts = []
+        for block in content or []:
+            if isinstance(block, str):
+                parts.append(block)
+            elif block.get("type") == "text":
+                parts.append(block.get("text", ""))
+            elif block.get("type") == "tool_result":
+                parts.append(text_of(block.get("content")))
+        return "".join(parts)
+
+    out = [BOS] if add_bos else []
+    for m in messages:
+        role, text = m.get("role"), text_of(m.get("content"))
+        if role == "system":
+            out.append(text)
+        elif role == "user":
+            out.append(USER + text)
+        elif role == "assistant":
+            out.append(ASSISTANT + "</think>" + text + EOS)
+        else:
+            raise ValueError(f"chat: unknown role {role!r} (system, user, assistant)")
+    out.append(ASSISTANT + ("<think>" if thinking else "</think>"))
+    return "".join(out)
+
+
+class DeepseekVL:
+    """A loaded DeepSeek-V4.1 model with its tokenizer and image processor."""
+
+    def __init__(self, model, config: ModelConfig, tokenizer, numerics: Numerics, path: str | None = None):
+        self.model = model
+        self.config = config
+        self.tokenizer = tokenizer
+        self.numerics = numerics
+        self.path = path
+        if tokenizer is not None and config.vision is not None:
+            processor.check_placeholder_id(tokenizer, config.image_token_id)
+
+    # ------------------------------------------------------------------ text
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        if self.tokenizer is None:
+            raise LoadError("this model was loaded without a tokenizer; pass token ids instead of text")
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        bos = self.config.bos_token_id
+        if add_bos is None:
+            add_bos = not text.startswith(BOS)
+        if add_bos and (not ids or ids[0] != bos):
+            ids = [bos] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(i) for i in ids)
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def processor_config(self):
+        return self.config.vision
+
+    def preprocess(self, image, name: str | None = None) -> processor.ProcessedImage:
+        """Resize/pad/normalise one image exactly as the reference processor."""
+        if self.config.vision is None:
+            raise processor.ImageInputError("this model has no vision tower (text-only checkpoint or text_only=True)")
+        return processor.preprocess_image(image, self.config.vision, name=name)
+
+    # ------------------------------------------------------------------ inputs
+    def _to_prompt(self, p) -> tuple[list[int], list]:
+        """A prompt (str, token ids, or chat messages) -> (ids, image sources from messages)."""
+        if isinstance(p, str):
+            return self.encode(p), []
+        if isinstance(p, (list, tuple)) and p and isinstance(p[0], dict):
+            msgs, records = processor.messages_with_placeholders(p)
+            return self.encode(encode_chat(msgs), add_bos=False), list(records)
+        if isinstance(p, (list, tuple, np.ndarray)):
+            return [int(i) for i in p], []
+        raise TypeError(f"prompt of type {type(p).__name__}: pass a string, token ids or chat messages")
+
+    def prepare(self, prompts, images=None) -> Prepared:
+        """Tokenize, bind images to placeholders, run the vision tower, build embeddings."""
+        import jax.numpy as jnp
+
+        single = isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (dict, int)))
+        if single:
+            prompts = [prompts]
+            images = [images or []]
+        elif images is None:
+            images = [[] for _ in prompts]
+        if len(images) != len(prompts):
+            raise processor.ImageInputError(f"{len(prompts)} prompts but {len(images)} image lists")
+        rows, procs = [], []
+        for i, (p, imgs) in enumerate(zip(prompts, images)):
+            ids, from_msgs = self._to_prompt(p)
+            srcs = list(from_msgs) + list(imgs or [])
+            pi = [self.preprocess(processor.load_image_bytes(s) if isinstance(s, dict) else s,
+                                  name=f"prompt {i} image {j}") for j, s in enumerate(srcs)]
+            exp = processor.expand_prompt(ids, pi, self.config.image_token_id)
+            rows.append(exp)
+            procs.append(pi)
+        ids = [list(np.asarray(r.input_ids).tolist()) for r in rows]
+        if not any(procs):
+            return Prepared(ids, None, None, procs)
+        from dsv41_jax.model.span import encode_and_merge
+
+        L = max(len(x) for x in ids)
+        embs, masks = [], []
+        for r, pi in zip(rows, procs):
+            e = encode_and_merge(self.model, np.asarray(r.input_ids)[None], np.asarray(r.types)[None], [pi], self.numerics)
+            pad = L - e.shape[1]
+            embs.append(jnp.pad(e, ((0, 0), (0, pad), (0, 0))))
+            masks.append(np.pad(np.asarray(r.types) >= 0, (0, pad)))
+        return Prepared(ids, jnp.concatenate(embs, 0), jnp.asarray(np.stack(masks)), procs)
+
+    # ------------------------------------------------------------------ generation
+    def _sampling(self, n, temperature, top_k, top_p, min_p):
+        from dsv41_jax.sampling import SamplingParams
+
+        return SamplingParams.make(n, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+    def _stop_ids(self, stop):
+        if stop is None:
+            return [self.config.eos_token_id]
+        out = []
+        for s in stop:
+            if isinstance(s, str):
+                tid = self.tokenizer.token_to_id(s) if self.tokenizer is not None else None
+                if tid is None:
+                    raise ValueError(f"stop token {s!r} is not a single token of the tokenizer")
+                out.append(tid)
+            else:
+                out.append(int(s))
+        return out
+
+    def generate(self, prompts, images=None, *, max_new_tokens: int = 64, temperature=0.0, top_k=0, top_p=1.0,
+                 min_p=0.0, stop=None, seed: int = 0, max_len: int | None = None, prefill_chunk: int | None = None,
+                 stream: bool = False):
+        """Generate from one prompt or a batch. A prompt is a string, token ids, or chat messages
+        (image content blocks allowed). ``images``: for one prompt a list of images (paths, bytes
+        or PIL), for a batch one list per prompt, bound to the placeholders in order. Sampling
+        parameters may be scalars or one value per prompt (passed to the device as arrays).
+        ``stream=True`` returns an iterator of :class:`dsv41_jax.generate.StreamStep`."""
+        from dsv41_jax import generate as gen
+
+        t0 = time.perf_counter()
+        prep = self.prepare(prompts, images)
+        t_prep = time.perf_counter() - t0
+        n = len(prep.input_ids)
+        kw = dict(max_new_tokens=max_new_tokens, sampling=self._sampling(n, temperature, top_k, top_p, min_p),
+                  stop_ids=self._stop_ids(stop), seed=seed, max_len=max_len, inputs_embeds=prep.inputs_embeds,
+                  image_mask=prep.image_mask, prefill_chunk=prefill_chunk)
+        if stream:
+            return gen.generate_stream(self.model, prep.input_ids, **kw)
+        res = gen.generate(self.model, prep.input_ids, **kw)
+        timings = dict(res.timings, preprocess_and_vision_s=t_prep)
+        spans = [[(*p.llm_grid, p.span_len) for p in row] for row in prep.images]
+        return Generation(text=[self.decode(t) for t in res.tokens], tokens=res.tokens,
+                          finish_reasons=res.finish_reasons, timings=timings, image_spans=spans)
+
+    def stream_text(self, prompt, images=None, **kw) -> Iterator[str]:
+        """Yield the decoded text of a single prompt piece by piece."""
+        toks: list[int] = []
+        prev = ""
+        for step in self.generate(prompt, images, stream=True, **kw):
+            t = step.tokens[0]
+            if t is None:
+                break
+            toks.append(int(t))
+            text = self.decode(toks)
+            yield text[len(prev):]
+            prev = text
+
+    def logits(self, prompt, images=None) -> np.ndarray:
+        """fp32 logits [S, V] of one prompt (after image expansion), one-shot prefill."""
+        import jax.numpy as jnp
+
+        prep = self.prepare(prompt, images)
+        ids = jnp.asarray(np.asarray(prep.input_ids[0])[None], jnp.int32)
+        logits, _ = self.model(ids, inputs_embeds=prep.inputs_embeds, image_mask=prep.image_mask)
+        return np.asarray(logits[0])
+
+
+def _is_original(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "model.safetensors.index.json")) or any(
+        f.endswith(".safetensors") for f in os.listdir(path))
+
+
+def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numerics: str = "reference",
+         text_only: bool = False, tokenizer: bool = True) -> DeepseekVL:
+    """Load a converted Orbax checkpoint (``dsv41-jax convert``) or an original-format DeepSeek
+    checkpoint directory. ``mesh``: a ``jax.sharding.Mesh`` or "D,E,T" spec to shard onto.
+    ``dtype``: compute dtype ("bfloat16" or "float32"); ``numerics``: "reference" (the official
+    fake-quant points) or "fast"."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise LoadError(f"{path}: not a directory (expected a checkpoint directory)")
+    num = Numerics(dtype, numerics)
+    cfg = ModelConfig.from_file(path)
+    if isinstance(mesh, str):
+        from dsv41_jax.sharding import mesh_from_spec
+
+        mesh = mesh_from_spec(mesh)
+    if _is_original(path):
+        from dsv41_jax.weights import load_original
+
+        model = load_original(path, num, text_only=text_only)
+        if mesh is not None:
+            from dsv41_jax.sharding import shard_model
+
+            shard_model(model, mesh)
+    else:
+        from dsv41_jax.checkpoint import restore_model
+
+        model = restore_model(path, num, config=cfg, mesh=mesh, text_only=text_only)
+    tok = None
+    tp = os.path.join(path, "tokenizer.json")
+    if tokenizer and os.path.exists(tp):
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(tp)
+    return DeepseekVL(model, cfg, tok, num, path)
