@@ -454,6 +454,7 @@ def build_plan(src: Source, cfg, *, dtype: str = "bf16", experts: str | None = N
             srcs = [f"{prefix}.{e}.{w}.weight" for e in range(E)]
             scs = [f"{prefix}.{e}.{w}.scale" for e in range(E)]
             missing = [s for s in srcs if s not in src]
+            consumed.update(scs)
             if missing:
                 problems.append(f"missing tensor {missing[0]} (expected per-expert [{o}, {i}])"
                                 + (f" and {len(missing) - 1} more experts of {prefix}.*.{w}" if len(missing) > 1 else ""))
@@ -513,6 +514,8 @@ def build_plan(src: Source, cfg, *, dtype: str = "bf16", experts: str | None = N
             continue
         if key not in src:
             problems.append(f"missing tensor {key} (expected {list(shape)})")
+            if key.endswith(".weight"):
+                consumed.add(key[: -len("weight")] + "scale")  # its scale is not 'unexpected'
             continue
         consumed.add(key)
         mod = key[: -len(".weight")] if key.endswith(".weight") else None

@@ -238,60 +238,100 @@ def _set_chunks(tspec: dict, chunks: tuple[int, ...]) -> dict:
 
 
 def _lazy_handler_class():
+    import collections
+
     import orbax.checkpoint as ocp
     import tensorstore as ts
 
     class LazyArrayHandler(ocp.type_handlers.NumpyHandler):
-        """NumpyHandler that writes a LazyArray slab by slab (one array at a time, two slabs in
-        flight: the next slab is computed while tensorstore writes the previous one)."""
+        """NumpyHandler that writes a LazyArray slab by slab.
 
-        def __init__(self):
+        One array produces slabs at a time (a lock); each slab is handed to tensorstore
+        (``copy`` done: the slab can be freed) and its commit is awaited later, so commits of
+        many small arrays are batched by OCDBT. At most ``max_inflight`` bytes of written but
+        uncommitted data are pending at any time."""
+
+        def __init__(self, max_inflight: int = 512 << 20):
             super().__init__(deepcopy_host_arrays=False)
             self._lock = None
+            self._inflight = collections.deque()  # [commit future, nbytes, on_write, counted]
+            self._inflight_bytes = 0
+            self._max_inflight = max_inflight
+            self._active = 0
+            self._error = None
+
+        async def _retire(self, entry):
+            await entry[0]
+            if not entry[3]:
+                entry[3] = True
+                self._inflight_bytes -= entry[1]
+                if entry[2]:
+                    entry[2](entry[1])
 
         async def _open_and_write(self, value, tspec, ts_context):
             if not isinstance(value, LazyArray):
                 return await super()._open_and_write(value, tspec, ts_context)
             if self._lock is None:
                 self._lock = asyncio.Lock()
-            async with self._lock:
+            # On an error every array of the batch winds down (its open and pending commits
+            # finish) before the error propagates, so no tensorstore callback outlives the loop.
+            self._active += 1
+            mine = []
+            try:
+                # opening creates the array metadata (a commit of its own): outside the lock
                 t = await ts.open(ts.Spec(_set_chunks(tspec, value.chunks)), create=True, open=True,
                                   context=ts_context)
-                n = value.shape[0]
-                step = value.slab_rows
-                pending = None
-                for a in range(0, n, step):
-                    b = min(n, a + step)
-                    slab = np.ascontiguousarray(value.produce(a, b))
-                    want = (b - a,) + value.shape[1:]
-                    if slab.dtype != value.dtype or slab.shape != want:
-                        raise ValueError(f"produced slab {slab.shape} {slab.dtype}, expected {want} {value.dtype}")
-                    if pending is not None:
-                        await pending[0]
-                        if value.on_write:
-                            value.on_write(pending[1])
-                    fut = t[a:b].write(slab)
-                    pending = (fut, slab.nbytes)
-                if pending is not None:
-                    await pending[0]
-                    if value.on_write:
-                        value.on_write(pending[1])
+                async with self._lock:
+                    if self._error is None:
+                        await self._write_slabs(t, value, mine)
+                for entry in mine:
+                    await self._retire(entry)
+            except BaseException as e:  # noqa: BLE001 - re-raised below, after the others stop
+                if self._error is None:
+                    self._error = e
+                for entry in mine:
+                    try:
+                        await entry[0]
+                    except BaseException:  # noqa: BLE001
+                        pass
+            finally:
+                self._active -= 1
+            if self._error is not None:
+                while self._active > 0:
+                    await asyncio.sleep(0.005)
+                raise self._error
+
+        async def _write_slabs(self, t, value, mine):
+            n = value.shape[0]
+            for a in range(0, n, value.slab_rows):
+                b = min(n, a + value.slab_rows)
+                slab = np.ascontiguousarray(value.produce(a, b))
+                want = (b - a,) + value.shape[1:]
+                if slab.dtype != value.dtype or slab.shape != want:
+                    raise ValueError(f"produced slab {slab.shape} {slab.dtype}, expected {want} {value.dtype}")
+                fut = t[a:b].write(slab)
+                await fut.copy
+                del slab
+                entry = [fut.commit, int(math.prod(want)) * value.dtype.itemsize, value.on_write, False]
+                self._inflight.append(entry)
+                self._inflight_bytes += entry[1]
+                mine.append(entry)
+                while self._inflight_bytes > self._max_inflight and self._inflight:
+                    await self._retire(self._inflight.popleft())
 
     return LazyArrayHandler
 
 
-def write_group(directory: str, tree: Mapping[str, LazyArray], *, compress: bool = False):
+def write_group(directory: str, tree: Mapping[str, LazyArray], *, compress: bool = False,
+                max_inflight: int = 512 << 20):
     """Write one group (flat dict of LazyArrays) as an Orbax PyTree checkpoint (OCDBT, zarr3).
 
     Orbax writes into a temporary directory and renames it on success, so ``directory`` exists
     only when the group is complete."""
     import orbax.checkpoint as ocp
 
-    import jax
-
-    handler = _lazy_handler_class()()
-    reg = ocp.type_handlers.create_type_handler_registry((LazyArray, handler),
-                                                         )
+    handler = _lazy_handler_class()(max_inflight)
+    reg = ocp.type_handlers.create_type_handler_registry((LazyArray, handler))
     h = ocp.PyTreeCheckpointHandler(type_handler_registry=reg, use_ocdbt=True, use_zarr3=True,
                                     use_compression=compress)
     ckptr = ocp.Checkpointer(h)

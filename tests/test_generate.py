@@ -25,8 +25,7 @@ REF_WIDTH = 32
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("tiny_gen") / "ck")
-    tiny.write_tiny_checkpoint(d, fmt="bf16", seed=0, vision=False,
-                               config={"text_config": {"engram_layer_ids": []}})
+    tiny.write_tiny_checkpoint(d, fmt="bf16", seed=0, vision=False)  # Engram on layers 0 and 1
     return load_original(d, Numerics("float32", "fast"), text_only=True)
 
 

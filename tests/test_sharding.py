@@ -21,13 +21,14 @@ GOLDEN = os.path.join(ROOT, "tests", "golden")
 N_DEV = 8
 
 # tiny config sized to divide the 8-device meshes: 8 query heads, 8 output groups, 8 indexer
-# heads, 16 experts, vocab 256; 5 layers still cover ratio-2 and ratio-1 kv sources, a consumer
-# layer, the candidate filter and two Engram layers.
+# heads, 16 experts, vocab 256; 4 layers (CPU compile time dominates) still cover a ratio-2 kv
+# source, a consumer layer (1), a ratio-1 kv + candidate source (2), a candidate user (3) and
+# two Engram layers.
 MESH_CONFIG = {"text_config": {
     "num_attention_heads": 8, "head_dim": 32, "qk_rope_head_dim": 16, "q_lora_rank": 32,
     "o_groups": 8, "o_lora_rank": 16, "n_routed_experts": 16, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32, "num_hidden_layers": 5, "compress_ratios": [0, 2, 2, 1, 1],
-    "kv_source_layer_ids": [1, 3], "index_source_layer_ids": [1, 3, 4], "candidate_source_layer_id": 3,
+    "moe_intermediate_size": 32, "num_hidden_layers": 4, "compress_ratios": [2, 2, 1, 1],
+    "kv_source_layer_ids": [0, 2], "index_source_layer_ids": [0, 2, 3], "candidate_source_layer_id": 2,
     "index_n_heads": 8, "index_head_dim": 32, "index_topk": 6, "engram_layer_ids": [0, 1],
 }}
 MESHES = ((1, 1, 8), (1, 8, 1), (2, 2, 2), (8, 1, 1), (1, 4, 2))
@@ -180,21 +181,26 @@ def _child_moe(out: dict):
 
     cfg = with_text_overrides(preset("tiny"), n_routed_experts=8, moe_intermediate_size=64)
     rng = np.random.default_rng(0)
-    for num, quantized in ((Numerics("float32", "fast"), False), (Numerics("float32", "reference"), True),
-                           (Numerics("bfloat16", "reference"), True)):
+    cases = {  # numerics -> meshes; T=2 is the decode (selected-expert gather) path, T=24 dense
+        ("float32", "fast"): ((1, 2, 2), (2, 4, 1), (1, 4, 2)),
+        ("float32", "reference"): ((1, 4, 2),),  # fake-quant blocks of h with the intermediate split
+        ("bfloat16", "reference"): ((1, 2, 2),),  # the "tensor" psum before the bf16 rounding
+    }
+    for (cdt, mode), meshes in cases.items():
+        num, quantized = Numerics(cdt, mode), mode == "reference"
         m = MoE(cfg.text, num, vision=True)
         st = nnx.state(m)
         for _, v in nnx.to_flat_state(st):
             v.set_value(jnp.asarray(rng.normal(0, 0.2, v.get_value().shape), v.get_value().dtype))
         nnx.update(m, st)
         m.experts.quantized = quantized
-        for T in (2, 24):  # decode (selected-expert gather) and a chunk (dense)
+        for T in (2, 24):
             x = jnp.asarray(rng.normal(0, 1, (2, T // 2, 64)), num.dtype)
             im = jnp.asarray((np.arange(T).reshape(2, T // 2) % 3) == 0)
             gd, st = nnx.split(m)
             ref = jax.jit(lambda s, x, im: nnx.merge(gd, s)(x, im))(st, x, im)
             ref = np.asarray(ref.astype(jnp.float32))
-            for spec in ((1, 2, 2), (2, 4, 1), (1, 4, 2)):
+            for spec in meshes:
                 mesh = shd.make_mesh(*spec)
                 m2 = shd.shard_model(nnx.clone(m), mesh)
                 gd2, st2 = nnx.split(m2)
@@ -203,8 +209,9 @@ def _child_moe(out: dict):
                     got = f(st2, x, im)
                     ep = "shard_map" in str(jax.make_jaxpr(lambda s, x, im: nnx.merge(gd2, s)(x, im))(st2, x, im))
                 err = _rel(np.asarray(got.astype(jnp.float32)), ref)
-                # fp32: 1e-5; bf16: one bf16 ulp of the output (fp32 summation order may flip a rounding)
-                tol = TOL if num.dtype == jnp.float32 else 2.0 ** -7
+                # fp32: 1e-5; bf16: two bf16 ulps of the largest output (fp32 summation order
+                # inside the matmuls may flip a rounding of an expert output)
+                tol = TOL if num.dtype == jnp.float32 else 2.0 ** -6
                 out[f"moe {num.compute_dtype}/{num.mode} T={T} mesh={spec}"] = dict(
                     ok=bool(err <= tol and ep), err=err, expert_parallel=ep)
 
@@ -280,7 +287,8 @@ def _child_verify(out: dict):
     case = os.path.join(GOLDEN, "text_fast_fp32")
     for spec in GOLDEN_MESHES:
         t0 = time.time()
-        res = run_case(case, ("prefill", "decode"), mesh=shd.mesh_from_spec(",".join(map(str, spec))),
+        # "decode" runs the one-shot prefill and every decode step through generate.forward_chunk
+        res = run_case(case, ("decode",), mesh=shd.mesh_from_spec(",".join(map(str, spec))),
                        log=lambda s: None)
         failed = [f"{r.name}: {r.detail}" for r in res if r.ok is not True]
         out[f"verify text_fast_fp32 mesh={spec}"] = dict(ok=bool(res) and not failed, checks=len(res),

@@ -163,7 +163,7 @@ class MoE(nnx.Module):
         y = moe_ep.routed(self, xt, w, ids)  # expert parallel under a mesh with "expert" > 1, else None
         if y is None and T * w.shape[-1] < self.n_experts:
             y = self.routed_gather(xt, w, ids)
-        elif y is None and T * w.shape[-1] < 4 * self.n_experts:
+        elif y is None and self.n_experts <= 16:
             y = self.routed_dense(xt, w, ids)
         elif y is None:
             y = self.routed_ragged(xt, w, ids)

@@ -1,0 +1,378 @@
+"""Converter (original safetensors -> dsv41_jax Orbax) and dsv41_jax.checkpoint restore."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from convert import convert as cv
+from convert import ConvertError, convert_checkpoint
+from dsv41_jax import checkpoint as ck
+from dsv41_jax.numerics import FAST_F32, REFERENCE_BF16
+from dsv41_jax.safetensors_io import Checkpoint
+from dsv41_jax.tiny import write_safetensors, write_tiny_checkpoint
+from dsv41_jax.weights import load_original
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+
+
+def _convert(src, dst, **kw):
+    kw.setdefault("progress", False)
+    kw.setdefault("log", None)
+    return convert_checkpoint(src, dst, **kw)
+
+
+def _params(model) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v[1].get_value()) for k, v in ck.flat_params(model).items()}
+
+
+def _assert_same_bits(a: dict, b: dict):
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    bad = [k for k in a if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape
+           or not np.array_equal(a[k].view(np.uint8), b[k].view(np.uint8))]
+    assert not bad, bad
+
+
+def _digest(d: dict) -> str:
+    h = hashlib.sha256()
+    for k in sorted(d):
+        h.update(k.encode() + str(d[k].dtype).encode() + str(d[k].shape).encode() + d[k].tobytes())
+    return h.hexdigest()
+
+
+def _read_all(src) -> dict[str, np.ndarray]:
+    """Every tensor of an original-format dir, dtypes as on disk (E8M0 scales as float8_e8m0fnu)."""
+    c = Checkpoint(src)
+    out = {}
+    for n in c.names:
+        a = np.array(c.get(n))
+        if c.info(n)[0] == "F8_E8M0":
+            a = a.view(ml_dtypes.float8_e8m0fnu)
+        out[n] = a
+    return out
+
+
+def _copy_meta(src, dst):
+    os.makedirs(dst, exist_ok=True)
+    for fn in ("config.json", "tokenizer.json"):
+        shutil.copy(os.path.join(src, fn), os.path.join(dst, fn))
+
+
+def _write_sharded(src, dst, n_shards=3, extra=None):
+    _copy_meta(src, dst)
+    tensors = _read_all(src)
+    tensors.update(extra or {})
+    names = sorted(tensors)
+    wm = {}
+    for s in range(n_shards):
+        fn = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::n_shards]}
+        write_safetensors(os.path.join(dst, fn), part)
+        wm.update({n: fn for n in part})
+    with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 0}, "weight_map": wm}, f)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = tmp_path_factory.mktemp("tiny")
+    fp8, bf16 = str(base / "fp8"), str(base / "bf16")
+    write_tiny_checkpoint(fp8, fmt="fp8", seed=3)
+    write_tiny_checkpoint(bf16, fmt="bf16", seed=3)
+    out = str(base / "out_fp8")
+    report = _convert(fp8, out)
+    return {"base": base, "fp8": fp8, "bf16": bf16, "out": out, "report": report}
+
+
+# ----------------------------------------------------------------------------------------------
+# round trips
+# ----------------------------------------------------------------------------------------------
+
+def test_roundtrip_fp8_exact(tiny):
+    rep = tiny["report"]
+    assert rep["complete"] and rep["forms"]["fp8"] > 0 and rep["forms"]["fp4"] > 0 and rep["forms"]["raw"] == 2
+    assert sorted(os.listdir(tiny["out"])) == ["config.json", ck.META_FILE, "params", "tokenizer.json"]
+    for num in (REFERENCE_BF16, FAST_F32):
+        ref = load_original(tiny["fp8"], num)
+        got = ck.restore_model(tiny["out"], num)
+        _assert_same_bits(_params(ref), _params(got))
+        assert ck.quantized_flags(ref) == ck.quantized_flags(got)
+        assert any(ck.quantized_flags(got).values())
+    meta = ck.read_meta(tiny["out"])
+    p = meta["params"]
+    # bf16 only where exact; F32 source tensors stay fp32; engram tables stay fp8 + scale
+    assert p["layers.0.attn.wq_a.weight"]["dtype"] == "bfloat16"
+    assert p["layers.0.hc_attn_fn"]["dtype"] == "float32"
+    assert p["layers.0.engram.embed.weight"]["dtype"] == "float8_e4m3fn"
+    assert p["layers.0.engram.embed.scale"]["dtype"] == "uint8"
+    assert p["layers.0.ffn.experts.w1.weight"]["shape"] == [6, 32, 64]
+    assert p["vision.blocks.0.attn.wqkv.weight"]["group"] == "vision" and p["image_start"]["group"] == "vision"
+
+
+def test_roundtrip_bf16_exact(tiny):
+    out = str(tiny["base"] / "out_bf16")
+    rep = _convert(tiny["bf16"], out)
+    assert rep["forms"]["fp8"] == rep["forms"]["fp4"] == 0
+    ref = load_original(tiny["bf16"], REFERENCE_BF16)
+    got = ck.restore_model(out, REFERENCE_BF16)
+    _assert_same_bits(_params(ref), _params(got))
+    # bf16 source and the exact dequantization of the fp8 source are the same values
+    fp8 = _params(ck.restore_model(tiny["out"], FAST_F32))
+    bf = _params(ck.restore_model(out, FAST_F32))
+    for k in bf:
+        if "engram.embed" not in k:
+            np.testing.assert_array_equal(bf[k], fp8[k], err_msg=k)
+
+
+def test_int8_experts_lossless(tiny):
+    out = str(tiny["base"] / "out_int8")
+    _convert(tiny["fp8"], out, experts="int8")
+    meta = ck.read_meta(out)
+    w = meta["params"]["layers.3.ffn.experts.w2.weight"]
+    s = meta["params"]["layers.3.ffn.experts.w2.scale"]
+    assert (w["dtype"], w["encoding"], w["shape"]) == ("int8", "fp4x2_int8", [6, 64, 32])
+    assert (s["dtype"], s["encoding"], s["shape"]) == ("uint8", "e8m0_per32", [6, 64, 1])
+    ref = _params(load_original(tiny["fp8"], FAST_F32))
+    got = _params(ck.restore_model(out, FAST_F32))
+    assert set(ref) == set(got)
+    for k in ref:  # equal values (fp4 code -0 comes back as +0)
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+
+
+def test_text_only_and_save_model(tiny):
+    out = str(tiny["base"] / "out_text")
+    rep = _convert(tiny["fp8"], out, text_only=True)
+    assert rep["dropped"]["vision"]["tensors"] > 0
+    with pytest.raises(ck.CheckpointError, match="text_only=True"):
+        ck.restore_model(out, REFERENCE_BF16)
+    ref = load_original(tiny["fp8"], REFERENCE_BF16, text_only=True)
+    _assert_same_bits(_params(ref), _params(ck.restore_model(out, REFERENCE_BF16, text_only=True)))
+    # save_model of an in-memory model restores bit for bit
+    saved = ck.save_model(ref, str(tiny["base"] / "saved"), tokenizer_dir=tiny["fp8"])
+    back = ck.restore_model(saved, REFERENCE_BF16, text_only=True)
+    _assert_same_bits(_params(ref), _params(back))
+    assert ck.quantized_flags(back) == ck.quantized_flags(ref)
+
+
+def test_golden_text_fast_fp32_verify(tmp_path):
+    from dsv41_jax.verify import run_case
+
+    case = os.path.join(GOLDEN, "text_fast_fp32")
+    dst = str(tmp_path / "w")
+    _convert(case, dst)
+    _assert_same_bits(_params(load_original(case, FAST_F32)), _params(ck.restore_model(dst, FAST_F32)))
+    res = run_case(case, ("prefill",), weights=dst, log=lambda s: None)
+    assert res and all(r.ok for r in res), [(r.name, r.detail) for r in res if not r.ok]
+
+
+def test_golden_image_fp8_exact(tmp_path):
+    case = os.path.join(GOLDEN, "image_fp8")
+    dst = str(tmp_path / "w")
+    rep = _convert(case, dst)
+    assert rep["forms"]["fp4"] > 0 and rep["forms"]["fp8"] > 0
+    ref = load_original(case, REFERENCE_BF16)
+    got = ck.restore_model(dst, REFERENCE_BF16)
+    _assert_same_bits(_params(ref), _params(got))
+    assert ck.quantized_flags(ref) == ck.quantized_flags(got)
+
+
+# ----------------------------------------------------------------------------------------------
+# sources: sharded index, mtp, faults
+# ----------------------------------------------------------------------------------------------
+
+def test_sharded_index_and_mtp_dropped(tiny):
+    src = _write_sharded(tiny["fp8"], str(tiny["base"] / "sharded"), 3,
+                         extra={"mtp.0.norm.weight": np.ones(64, ml_dtypes.bfloat16),
+                                "mtp.0.head.weight": np.zeros((4, 64), ml_dtypes.bfloat16)})
+    out = str(tiny["base"] / "out_sharded")
+    from convert.__main__ import main
+
+    assert main([src, out, "--no-progress", "--report", out + ".json"]) == 0
+    with open(out + ".json") as f:
+        rep = json.load(f)
+    assert rep["dropped"]["mtp"]["tensors"] == 2 and "draft" in rep["dropped"]["mtp"]["why"]
+    _assert_same_bits(_params(ck.restore_model(tiny["out"], REFERENCE_BF16)),
+                      _params(ck.restore_model(out, REFERENCE_BF16)))
+
+
+def test_corrupt_source_lists_every_problem(tiny):
+    src = str(tiny["base"] / "bad")
+    _copy_meta(tiny["fp8"], src)
+    t = _read_all(tiny["fp8"])
+    del t["layers.2.attn.wq_a.weight"]  # missing (its scale must not be reported as unexpected)
+    t["layers.1.ffn.gate.weight"] = t["layers.1.ffn.gate.weight"][:, :32]  # wrong shape
+    t["layers.0.attn_norm.weight"] = t["layers.0.attn_norm.weight"].astype(np.int32)  # wrong dtype
+    nan = t["norm.weight"].copy()
+    nan[5] = np.nan
+    t["norm.weight"] = nan  # NaN
+    t["layers.4.attn.wo_b.scale"] = t["layers.4.attn.wo_b.scale"][:1]  # scale of the wrong shape
+    t["layers.0.attn.bogus.weight"] = np.zeros((2, 2), ml_dtypes.bfloat16)  # unexpected
+    write_safetensors(os.path.join(src, "model.safetensors"), t)
+    dst = str(tiny["base"] / "bad_out")
+    with pytest.raises(ConvertError) as ei:
+        _convert(src, dst)
+    msg = str(ei.value)
+    for s in ("missing tensor layers.2.attn.wq_a.weight", "tensor layers.1.ffn.gate.weight: shape [6, 32]",
+              "tensor layers.0.attn_norm.weight: dtype I32", "tensor layers.4.attn.wo_b.scale: shape",
+              "unexpected tensor layers.0.attn.bogus.weight"):
+        assert s in msg, msg
+    assert "layers.2.attn.wq_a.scale" not in msg
+    assert not os.path.exists(dst) and not os.path.exists(dst + ".partial")
+    # with the structure fixed, the NaN is reported before anything is written
+    t["layers.2.attn.wq_a.weight"] = _read_all(tiny["fp8"])["layers.2.attn.wq_a.weight"]
+    fixed = _read_all(tiny["fp8"])
+    for k in ("layers.1.ffn.gate.weight", "layers.0.attn_norm.weight", "layers.4.attn.wo_b.scale"):
+        t[k] = fixed[k]
+    del t["layers.0.attn.bogus.weight"]
+    t["layers.3.attn.wq_b.weight"] = t["layers.3.attn.wq_b.weight"].copy()
+    t["layers.3.attn.wq_b.weight"].view(np.uint8)[0, 0] = 0x7F  # e4m3 NaN
+    write_safetensors(os.path.join(src, "model.safetensors"), t)
+    with pytest.raises(ConvertError) as ei:
+        _convert(src, dst)
+    assert "tensor norm.weight: 1 NaN/Inf" in str(ei.value) and "tensor layers.3.attn.wq_b.weight: 1 NaN" in str(ei.value)
+    assert not os.path.exists(dst) and not os.path.exists(dst + ".partial")
+
+
+def test_file_faults(tiny):
+    base = tiny["base"] / "faults"
+    cases = {}
+    # truncated shard
+    d = _write_sharded(tiny["fp8"], str(base / "trunc"), 2)
+    p = os.path.join(d, "model-00002-of-00002.safetensors")
+    os.truncate(p, os.path.getsize(p) - 100)
+    cases["trunc"] = (d, "truncated shard")
+    # corrupt header
+    d = _write_sharded(tiny["fp8"], str(base / "header"), 2)
+    with open(os.path.join(d, "model-00001-of-00002.safetensors"), "r+b") as f:
+        f.seek(8)
+        f.write(b"#garbage#")
+    cases["header"] = (d, "corrupt safetensors header")
+    # a shard named in the index is missing
+    d = _write_sharded(tiny["fp8"], str(base / "missing"), 2)
+    os.unlink(os.path.join(d, "model-00002-of-00002.safetensors"))
+    cases["missing"] = (d, "names shard model-00002-of-00002.safetensors")
+    for name, (src, needle) in cases.items():
+        dst = str(base / f"out_{name}")
+        with pytest.raises(ConvertError, match=needle):
+            _convert(src, dst)
+        assert not os.path.exists(dst) and not os.path.exists(dst + ".partial"), name
+    # destination not writable (its parent is a file)
+    blocker = base / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(ConvertError, match="cannot write"):
+        _convert(tiny["fp8"], str(blocker / "out"))
+    # existing destination
+    with pytest.raises(ConvertError, match="already exists"):
+        _convert(tiny["fp8"], tiny["out"])
+
+
+# ----------------------------------------------------------------------------------------------
+# resumability and the atomic finish
+# ----------------------------------------------------------------------------------------------
+
+def test_interrupt_resume_identical(tiny, monkeypatch):
+    dst = str(tiny["base"] / "resumed")
+    part = dst + ".partial"
+    real = cv.make_producer
+
+    def crashing(p, src):  # a crash in the middle of layer 2 (after some of its arrays are written)
+        f = real(p, src)
+        if p.key == "layers.2.ffn.experts.w2.weight":
+            def boom(a, b):
+                raise RuntimeError("simulated kill")
+            return boom
+        return f
+
+    monkeypatch.setattr(cv, "make_producer", crashing)
+    with pytest.raises(Exception, match="simulated kill"):
+        _convert(tiny["fp8"], dst)
+    monkeypatch.setattr(cv, "make_producer", real)
+    # nothing looks complete: no DST, no sidecar, layer_002 not finalized, restore refuses
+    assert not os.path.exists(dst) and os.path.isdir(part)
+    assert not os.path.exists(os.path.join(part, ck.META_FILE))
+    assert not os.path.exists(os.path.join(part, "params", "layer_002"))
+    with open(os.path.join(part, cv.MANIFEST)) as f:
+        assert json.load(f)["done"] == ["top", "layer_000", "layer_001"]
+    with pytest.raises(ck.CheckpointError, match="unfinished conversion"):
+        ck.restore_model(part, REFERENCE_BF16)
+    with pytest.raises(ConvertError, match="--resume"):
+        _convert(tiny["fp8"], dst)
+    with pytest.raises(ConvertError, match="different source or with different options"):
+        _convert(tiny["fp8"], dst, resume=True, dtype="float32")
+    # a clean stop after one more group, then the rest
+    rep = _convert(tiny["fp8"], dst, resume=True, max_groups=1)
+    assert not rep["complete"] and rep["groups_done"] == 4 and not os.path.exists(dst)
+    rep = _convert(tiny["fp8"], dst, resume=True)
+    assert rep["complete"] and not os.path.exists(part)
+    assert not os.path.exists(os.path.join(dst, cv.MANIFEST))
+    a = _params(ck.restore_model(tiny["out"], REFERENCE_BF16))
+    b = _params(ck.restore_model(dst, REFERENCE_BF16))
+    assert _digest(a) == _digest(b)
+    _assert_same_bits(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# info, multi-device restore
+# ----------------------------------------------------------------------------------------------
+
+def test_info(tiny, capsys):
+    d = ck.info(tiny["out"])
+    model = load_original(tiny["fp8"], REFERENCE_BF16)
+    n_model = sum(v.size for v in _params(model).values())
+    n_scales = sum(v.size for k, v in _params(model).items() if k.endswith("engram.embed.scale"))
+    assert d["total_params"] == n_model - n_scales
+    assert d["categories"]["routed_experts"]["params"] == 7 * 3 * 6 * 32 * 64
+    assert "float8_e4m3fn" in d["dtypes"] and d["has_vision"] and d["engram_quantized"]
+    from convert.__main__ import main
+
+    assert main(["info", tiny["out"]]) == 0
+    out = capsys.readouterr().out
+    assert "routed_experts" in out and "7 layers" in out
+
+
+_MESH_SCRIPT = r"""
+import os, sys, hashlib
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import numpy as np, jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from dsv41_jax import checkpoint as ck
+from dsv41_jax.numerics import REFERENCE_BF16
+dst = sys.argv[1]
+def digest(m):
+    h = hashlib.sha256()
+    for k, (_, v) in sorted(ck.flat_params(m).items()):
+        h.update(k.encode() + np.asarray(v.get_value()).tobytes())
+    return h.hexdigest()
+one = digest(ck.restore_model(dst, REFERENCE_BF16))
+devs = np.array(jax.devices())
+for shape, names in (((8,), ("x",)), ((2, 4), ("x", "y"))):
+    mesh = Mesh(devs.reshape(shape), names)
+    def rule(name, sds):
+        spec = [ax if i < len(sds.shape) and sds.shape[i] % mesh.shape[ax] == 0 else None
+                for i, ax in enumerate(names)][: len(sds.shape)]
+        return NamedSharding(mesh, P(*spec))
+    m = ck.restore_model(dst, REFERENCE_BF16, mesh=mesh, shardings=rule)
+    flat = ck.flat_params(m)
+    assert all(v.get_value().sharding == rule(k, v.get_value()) for k, (_, v) in flat.items())
+    n_sharded = sum(not v.get_value().sharding.is_fully_replicated for _, v in flat.values())
+    assert n_sharded > 100, n_sharded
+    assert digest(m) == one, shape
+print("MESH_OK")
+"""
+
+
+def test_restore_on_meshes_identical(tiny):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, tiny["out"]], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert "MESH_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
