@@ -29,6 +29,7 @@ def _convert_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compress", action="store_true", help="zstd-compress the zarr chunks (slower)")
     ap.add_argument("--max-groups", type=int, default=None,
                     help="stop after writing this many groups (continue later with --resume)")
+    ap.add_argument("--dry-run", action="store_true", help="validate the source (and the NaN scan) without writing")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     ap.add_argument("--report", default=None, help="also write the conversion report (JSON) to this file")
     return ap
@@ -59,13 +60,18 @@ def main(argv=None) -> int:
         report = convert_checkpoint(args.src, args.dst, dtype=args.dtype, experts=args.experts,
                                     max_memory=args.max_memory, resume=args.resume, overwrite=args.overwrite,
                                     text_only=args.text_only, check_finite=args.check_finite,
-                                    compress=args.compress, progress=args.progress, max_groups=args.max_groups)
+                                    compress=args.compress, progress=args.progress, max_groups=args.max_groups,
+                                    dry_run=args.dry_run)
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.report:
         with open(args.report, "w") as f:
             json.dump(report, f, indent=1)
+    if args.dry_run:
+        print(json.dumps({k: report[k] for k in ("tensors_read", "source_bytes", "arrays", "groups_total",
+                                                 "bytes_total", "dropped", "forms", "notes")}, indent=1))
+        return 0
     return 0 if report.get("complete") else 3
 
 

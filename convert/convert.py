@@ -160,6 +160,17 @@ class Source:
             self.tensors[name] = SrcTensor(name, dt, shape, path, start + a, n)
         return header
 
+    @classmethod
+    def virtual(cls, tensors: dict, directory: str = "<virtual>") -> "Source":
+        """A header-only source (name -> (safetensors dtype, shape)) for planning and checks at
+        any scale without data; reading from it fails."""
+        self = cls.__new__(cls)
+        self.directory, self.index_path = directory, None
+        self.problems, self.files, self._fds = [], [], {}
+        self.tensors = {n: SrcTensor(n, dt, tuple(sh), "", 0, math.prod(sh) * np.dtype(DTYPES[dt]).itemsize)
+                        for n, (dt, sh) in tensors.items()}
+        return self
+
     # ------------------------------------------------------------------
     @property
     def names(self) -> list[str]:
@@ -227,29 +238,67 @@ def _nonfinite_f32(x: np.ndarray) -> bool:
     return bool(np.any((x.view(np.uint32) & 0x7F800000) == 0x7F800000))
 
 
-def _to_out(x: np.ndarray, out: np.dtype, name: str) -> np.ndarray:
-    """float32 ``x`` -> ``out`` (float32 or bfloat16), refusing NaN/Inf and any rounding."""
+def _to_out(x: np.ndarray, out: np.dtype, name: str, safe: bool = False) -> np.ndarray:
+    """float32 ``x`` -> ``out`` (float32 or bfloat16), refusing NaN/Inf and any rounding.
+
+    ``safe``: the caller knows every value is finite and exact in bf16 (block scales in range)."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    if _nonfinite_f32(x):
+    if not safe and _nonfinite_f32(x):
         raise ConvertError(f"tensor {name}: NaN or Inf after dequantization")
     if out == _F32:
         return x
-    bits = x.view(np.uint32)
-    if np.any(bits & 0xFFFF):
+    if not safe and np.any(x.view(np.uint32) & 0xFFFF):
         raise ConvertError(f"tensor {name}: dequantized values are not exact in bfloat16; convert with --dtype float32")
-    return (bits >> 16).astype(np.uint16).view(_BF16)
+    # bf16 = the high half of each little-endian fp32 word (exact here)
+    return np.ascontiguousarray(x.view(np.uint16).reshape(x.shape + (2,))[..., 1]).view(_BF16)
+
+
+# A scale byte s in this range keeps every e4m3 value x 2^(s-127) normal, finite and exact in bf16
+# (e4m3 spans 2^-9 .. 448); for e2m1 (0.5 .. 6) the range is wider.
+_FP8_SAFE_SCALES = (10, 246)
+_FP4_SAFE_SCALES = (2, 252)
+# byte -> (value of the low nibble, value of the high nibble): element 2c is the low nibble
+_FP4_PAIRS_U64 = np.ascontiguousarray(np.stack(
+    [quant.FP4_LUT[np.arange(256) & 0x0F], quant.FP4_LUT[np.arange(256) >> 4]], axis=-1).astype(np.float32)
+).view(np.uint64).ravel()
+
+
+def _in(sc: np.ndarray, lo_hi: tuple[int, int]) -> bool:
+    u = sc.view(np.uint8)
+    return bool(u.size == 0 or (int(u.min()) >= lo_hi[0] and int(u.max()) <= lo_hi[1]))
+
+
+_E4M3_LUT = quant.e4m3_to_f32(np.arange(256, dtype=np.uint8))  # byte -> fp32 value (exact)
 
 
 def _dequant_fp8_rows(w: np.ndarray, sc: np.ndarray, row0: int, block: tuple[int, int]) -> np.ndarray:
     """e4m3 rows ``w`` (starting at row ``row0`` of the weight) times their block scales ``sc``
-    (scale rows starting at ``row0 // Bo``)."""
+    (scale rows starting at ``row0 // Bo``); the values of ``quant.dequant_fp8_blocks``."""
     bo, bi = block
-    v = quant.e4m3_to_f32(w)
+    rows, cols = w.shape
+    v = np.take(_E4M3_LUT, w.view(np.uint8))
     s = quant.e8m0_to_f32(sc)
-    s = np.repeat(np.repeat(s, bo, axis=0), bi, axis=1)
     off = row0 - (row0 // bo) * bo
-    v *= s[off:off + v.shape[0], : v.shape[1]]
+    if off == 0 and rows % bo == 0 and cols % bi == 0:
+        vv = v.reshape(rows // bo, bo, cols // bi, bi)
+        vv *= s[: rows // bo, None, : cols // bi, None]
+        return v
+    s = np.repeat(np.repeat(s, bo, axis=0), bi, axis=1)
+    v *= s[off:off + rows, :cols]
     return v
+
+
+def _dequant_fp4(w: np.ndarray, sc: np.ndarray) -> np.ndarray:
+    """Packed e2m1 ``[o, i/2]`` with per-32 scales ``[o, i/32]`` -> float32 ``[o, i]`` (the values
+    of ``quant.dequant_fp4_experts``, computed with a byte -> value-pair table)."""
+    o, half = w.shape
+    v = np.take(_FP4_PAIRS_U64, w.view(np.uint8)).view(np.float32).reshape(o, half * 2 // 32, 32)
+    v *= quant.e8m0_to_f32(sc)[..., None]
+    return v.reshape(o, half * 2)
+
+
+def _fp8_nan(w: np.ndarray) -> bool:
+    return bool(np.any((w.view(np.uint8) & 0x7F) == 0x7F))
 
 
 def _nonfinite_raw(arr: np.ndarray, dtype: str) -> int:
@@ -618,23 +667,25 @@ def make_producer(p: ParamPlan, src: Source) -> Callable[[int, int], np.ndarray]
         def produce(a, b):
             w = src.read(p.sources[0], a, b)
             sc = src.read(p.scales[0], a // bo, -(-b // bo))
-            return _to_out(_dequant_fp8_rows(w, sc, a, p.block), p.dtype, p.key)
+            safe = _in(sc, _FP8_SAFE_SCALES) and not _fp8_nan(w)
+            return _to_out(_dequant_fp8_rows(w, sc, a, p.block), p.dtype, p.key, safe)
         return produce
 
-    def expert_value(e: int) -> np.ndarray:
+    def expert_value(e: int) -> tuple[np.ndarray, bool]:
         w = src.read(p.sources[e])
         if p.form == "experts-plain":
-            return w.astype(np.float32)
+            return w.astype(np.float32), False
         sc = src.read(p.scales[e])
         if p.form == "experts-fp8":
-            return _dequant_fp8_rows(w, sc, 0, p.block)
-        return quant.dequant_fp4_experts(w, sc)
+            return _dequant_fp8_rows(w, sc, 0, p.block), _in(sc, _FP8_SAFE_SCALES) and not _fp8_nan(w)
+        return _dequant_fp4(w, sc), _in(sc, _FP4_SAFE_SCALES)
 
     if p.form.startswith("experts-"):
         def produce(a, b):
             out = np.empty((b - a,) + p.shape[1:], p.dtype)
             for e in range(a, b):
-                out[e - a] = _to_out(expert_value(e), p.dtype, p.sources[e])
+                v, safe = expert_value(e)
+                out[e - a] = _to_out(v, p.dtype, p.sources[e], safe)
             return out
         return produce
     if p.form == "codes":
@@ -714,7 +765,7 @@ def _check_writable(dst: str):
 def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str | None = None,
                        max_memory: str | int = "4GB", resume: bool = False, overwrite: bool = False,
                        text_only: bool = False, check_finite: bool = True, compress: bool = False,
-                       progress: bool = True, max_groups: int | None = None,
+                       progress: bool = True, max_groups: int | None = None, dry_run: bool = False,
                        log: Callable[[str], None] | None = print) -> dict:
     """Convert an original DeepSeek-V4.1 checkpoint directory ``src`` into a dsv41_jax Orbax
     checkpoint at ``dst``. Returns the conversion report (also stored in the sidecar).
@@ -725,7 +776,8 @@ def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str 
     ``overwrite``: replace an existing ``dst`` once the new one is complete; ``text_only``: drop
     the vision tower; ``check_finite``: scan the source for NaN/Inf before writing;
     ``compress``: zstd in the zarr arrays; ``max_groups``: stop after writing this many groups
-    (the run can be continued with ``resume=True``).
+    (the run can be continued with ``resume=True``); ``dry_run``: validate everything (the NaN
+    scan included) and return the plan summary without writing.
     """
     t0 = time.time()
     say = log or (lambda s: None)
@@ -772,6 +824,17 @@ def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str 
             say(f"dropping {v['tensors']} {k} tensors ({ckpt.human_bytes(v['bytes'])}): {v['why']}")
         for n in plan.notes:
             say(f"note: {n}")
+        if dry_run:
+            bad = scan_nonfinite(source, plan.source_names()) if check_finite else []
+            if bad:
+                raise _problems_error(f"source {src} has non-finite weights", bad)
+            groups = plan.groups()
+            return {"complete": False, "dry_run": True, "source": src, "destination": dst, "dtype": dtype,
+                    "experts": experts, "text_only": text_only, "dropped": plan.dropped, "forms": plan.forms,
+                    "notes": plan.notes, "tensors_read": len(plan.source_names()), "source_bytes": total_src,
+                    "arrays": len(plan.params), "groups_total": len(groups),
+                    "bytes_total": sum(p.nbytes for p in plan.params),
+                    "largest_group_bytes": max(sum(p.nbytes for p in ps) for ps in groups.values())}
         if manifest is None:
             _check_writable(dst)
             if check_finite:
@@ -886,7 +949,7 @@ def _write_groups(plan: Plan, source: Source, part: str, manifest: dict, *, slab
                                              on_write=bar.update if bar else None)
             _before_group(g)
             try:
-                ckpt.write_group(os.path.join(pdir, g), tree, compress=compress)
+                ckpt.write_group(os.path.join(pdir, g), tree, compress=compress, max_inflight=2 * slab_bytes)
             except ConvertError:
                 raise
             except Exception as e:  # Orbax wraps errors raised in the writer thread

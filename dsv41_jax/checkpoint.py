@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -154,8 +155,8 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int, target: int = CHUNK_BYTES
         if rows >= 32 and rows < shape[0]:
             rows -= rows % 32  # fp8 blocks are 32 (or 128) rows: keep slabs block-aligned
         return (rows,) + shape[1:]
-    inner = math.prod(shape[2:]) * itemsize
-    return (1, max(1, min(shape[1], target // max(inner, 1)))) + shape[2:]
+    n_split = -(-rest // target)  # balanced pieces of axis 1 (2304 rows -> 2 x 1152, not 1638 + 666)
+    return (1, max(1, -(-shape[1] // n_split))) + shape[2:]
 
 
 @dataclasses.dataclass
@@ -532,7 +533,8 @@ def _scale_sharding(weight_sharding, scale_shape):
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
-def _dequant_int8_experts(codes, scale, dtype, out_sharding):
+@functools.lru_cache(maxsize=64)
+def _int8_dequantizer(dtype, out_sharding):
     import jax
     import jax.numpy as jnp
 
@@ -543,7 +545,13 @@ def _dequant_int8_experts(codes, scale, dtype, out_sharding):
         m = jnp.repeat(e8m0_to_f32_jax(s), 32, axis=-1)
         return (v * m).astype(dtype)
 
-    return jax.jit(f, out_shardings=out_sharding)(codes, scale)
+    return jax.jit(f, out_shardings=out_sharding)
+
+
+def _dequant_int8_experts(codes, scale, dtype, out_sharding):
+    """int8 codes (2 x e2m1 value) [E, out, in] and ue8m0 bytes [E, out, in/32] -> ``dtype``,
+    computed on the devices holding the shards."""
+    return _int8_dequantizer(np.dtype(dtype), out_sharding)(codes, scale)
 
 
 def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None, text_only: bool = False):
@@ -641,7 +649,7 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
 # ----------------------------------------------------------------------------------------------
 
 _CATEGORIES = [
-    ("routed_experts", re.compile(r"\.ffn\.experts\.w[123]\.(weight|scale)$")),
+    ("routed_experts", re.compile(r"\.ffn\.experts\.(\d+\.)?w[123]\.(weight|scale)$")),
     ("shared_experts", re.compile(r"\.ffn\.shared_experts\.")),
     ("router", re.compile(r"\.ffn\.gate\.")),
     ("engram_tables", re.compile(r"\.engram\.embed\.")),

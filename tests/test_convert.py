@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -279,23 +280,32 @@ def test_file_faults(tiny):
 # resumability and the atomic finish
 # ----------------------------------------------------------------------------------------------
 
-def test_interrupt_resume_identical(tiny, monkeypatch):
+_KILL_SCRIPT = r"""
+import os, signal, sys
+from convert import convert as cv
+real = cv.make_producer
+def killing(p, src):  # SIGKILL in the middle of layer 2, after some of its arrays were written
+    f = real(p, src)
+    if p.key == "layers.2.ffn.experts.w2.weight":
+        def die(a, b):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return die
+    return f
+cv.make_producer = killing
+cv.convert_checkpoint(sys.argv[1], sys.argv[2], progress=False, log=None)
+"""
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu")
+
+
+def test_kill_resume_identical(tiny):
     dst = str(tiny["base"] / "resumed")
     part = dst + ".partial"
-    real = cv.make_producer
-
-    def crashing(p, src):  # a crash in the middle of layer 2 (after some of its arrays are written)
-        f = real(p, src)
-        if p.key == "layers.2.ffn.experts.w2.weight":
-            def boom(a, b):
-                raise RuntimeError("simulated kill")
-            return boom
-        return f
-
-    monkeypatch.setattr(cv, "make_producer", crashing)
-    with pytest.raises(Exception, match="simulated kill"):
-        _convert(tiny["fp8"], dst)
-    monkeypatch.setattr(cv, "make_producer", real)
+    r = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, tiny["fp8"], dst], capture_output=True, text=True,
+                       env=_env(), timeout=300)
+    assert r.returncode == -9, r.stderr[-3000:]
     # nothing looks complete: no DST, no sidecar, layer_002 not finalized, restore refuses
     assert not os.path.exists(dst) and os.path.isdir(part)
     assert not os.path.exists(os.path.join(part, ck.META_FILE))
@@ -304,6 +314,8 @@ def test_interrupt_resume_identical(tiny, monkeypatch):
         assert json.load(f)["done"] == ["top", "layer_000", "layer_001"]
     with pytest.raises(ck.CheckpointError, match="unfinished conversion"):
         ck.restore_model(part, REFERENCE_BF16)
+    with pytest.raises(ck.CheckpointError, match="no such checkpoint"):
+        ck.restore_model(dst, REFERENCE_BF16)
     with pytest.raises(ConvertError, match="--resume"):
         _convert(tiny["fp8"], dst)
     with pytest.raises(ConvertError, match="different source or with different options"):
@@ -318,6 +330,65 @@ def test_interrupt_resume_identical(tiny, monkeypatch):
     b = _params(ck.restore_model(dst, REFERENCE_BF16))
     assert _digest(a) == _digest(b)
     _assert_same_bits(a, b)
+
+
+def test_error_while_writing_leaves_no_checkpoint(tiny):
+    """Without the NaN pre-scan a non-finite value is caught while writing: a clear error, no DST."""
+    src = str(tiny["base"] / "nan_late")
+    _copy_meta(tiny["fp8"], src)
+    t = _read_all(tiny["fp8"])
+    t["layers.5.ffn.shared_experts.w2.weight"] = t["layers.5.ffn.shared_experts.w2.weight"].copy()
+    t["layers.5.ffn.shared_experts.w2.weight"].view(np.uint8)[3, 3] = 0xFF
+    write_safetensors(os.path.join(src, "model.safetensors"), t)
+    dst = str(tiny["base"] / "nan_late_out")
+    with pytest.raises(ConvertError, match="layers.5.ffn.shared_experts.w2.weight: NaN or Inf"):
+        _convert(src, dst, check_finite=False)
+    assert not os.path.exists(dst) and not os.path.exists(os.path.join(dst + ".partial", ck.META_FILE))
+
+
+def test_dequant_kernels_match_quant():
+    rng = np.random.default_rng(0)
+    from dsv41_jax import quant
+
+    w = rng.normal(0, 0.05, (300, 256)).astype(np.float32)
+    for block in ((32, 32), (128, 128)):
+        q, s = quant.quantize_fp8_blocks(w, block)
+        ref = quant.dequant_fp8_blocks(q, s, block)
+        for a, b in ((0, 300), (0, 128), (64, 200), (3, 77), (256, 300)):
+            got = cv._dequant_fp8_rows(q[a:b], s[a // block[0]: -(-b // block[0])], a, block)
+            assert np.array_equal(got.view(np.uint32), ref[a:b].view(np.uint32)), (block, a, b)
+    q, s = quant.quantize_fp4_blocks(w)
+    assert np.array_equal(cv._dequant_fp4(q, s).view(np.uint32), quant.dequant_fp4_experts(q, s).view(np.uint32))
+    x = cv._dequant_fp4(q, s)
+    assert np.array_equal(cv._to_out(x, cv._BF16, "x").view(np.uint16), x.astype(ml_dtypes.bfloat16).view(np.uint16))
+    with pytest.raises(ConvertError, match="not exact in bfloat16"):
+        cv._to_out(np.float32([1.0 + 2 ** -20]), cv._BF16, "x")
+
+
+def test_plan_at_v41_flash_scale():
+    """Validation and the write plan for the released V4.1-Flash inventory (headers only, no data)."""
+    from dsv41_jax.config import ModelConfig
+    from dsv41_jax.tiny import tensor_inventory
+
+    path = os.path.join(ROOT, "dsv41_jax", "presets", "v41_flash.json")
+    with open(path) as f:
+        raw = json.load(f)
+    inv = tensor_inventory(raw)
+    inv["mtp.0.ffn.experts.0.w1.weight"] = ("I8", (2304, 2560))
+    src = cv.Source.virtual(inv)
+    plan = cv.build_plan(src, ModelConfig.from_dict(raw), experts="int8")
+    assert plan.dropped["mtp"]["tensors"] == 1
+    n = sum(math.prod(p.shape) for p in plan.params if p.encoding not in ("e8m0", "e8m0_per32"))
+    assert n == 748_979_953_264  # 552.4 B without the two Engram tables (196.6 B rows x 256)
+    budget = 4 << 30
+    slab = (budget - (768 << 20)) // 3
+    worst = 0
+    for p in plan.params:
+        ch = ck.chunk_shape(p.shape, p.dtype.itemsize)
+        assert math.prod(ch) * p.dtype.itemsize <= 2 * ck.CHUNK_BYTES, (p.key, ch)
+        rows = cv.slab_rows_for(p, slab, ch)
+        worst = max(worst, rows * math.prod(p.shape[1:]) * p.dtype.itemsize)
+    assert worst <= slab
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,7 +443,6 @@ print("MESH_OK")
 
 
 def test_restore_on_meshes_identical(tiny):
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", _MESH_SCRIPT, tiny["out"]], capture_output=True, text=True,
-                       env=env, timeout=300)
+                       env=_env(), timeout=300)
     assert "MESH_OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

@@ -36,7 +36,10 @@ from tests.torch_ref import oracle as O  # noqa: E402
 
 TOL = 1e-5
 N_TOKENS = 34
-CHUNKS = (5, 11)  # 5: odd, ratio-2 groups straddle chunk ends; 11: longer than the window
+# one chunk size keeps the number of compiled shapes down: odd, so ratio-2 groups straddle chunk
+# ends, and longer than the window (the ring is overwritten within one chunk); the partial last
+# chunk of a prefix is padded with valid=False
+CHUNK = 5
 
 
 def _find_seed(need, **pins) -> int:
@@ -56,14 +59,11 @@ def _find_seed(need, **pins) -> int:
 EVERY_KIND = ("ratio0", "ratio1", "ratio2", "consumer_reuses_kv", "index_source_without_keys",
               "candidate_user", "engram")
 CASES = {
-    # every layer kind in one model, explicit topology keys, small ring
-    "every_kind": dict(need=EVERY_KIND, pins=dict(n_layers=7, window=6, fallback="none", vision=False), image=False),
-    # every kind again through the candidate fallback, image spans routed with bias_vl
-    "every_kind_image": dict(need=EVERY_KIND, pins=dict(n_layers=6, window=7, fallback="cand", vision=True),
+    # every layer kind in one model, explicit topology keys
+    "every_kind": dict(need=EVERY_KIND, pins=dict(n_layers=5, window=4, fallback="none", vision=False), image=False),
+    # every kind again, candidate source from the fallback, image spans routed with bias_vl
+    "every_kind_image": dict(need=EVERY_KIND, pins=dict(n_layers=5, window=3, fallback="cand", vision=True),
                              image=True),
-    # all topology keys omitted (fallbacks), second kv source inside a run
-    "fallbacks": dict(need=("ratio1", "ratio2", "engram"), pins=dict(n_layers=5, window=4, fallback="all"),
-                      image=False),
 }
 
 
@@ -81,7 +81,7 @@ class _Runner:
         self.rm = make_model(self.seed, Path(root) / name, **spec["pins"])
         self.model = self.rm.load(FAST_F32)
         self.t = self.rm.text
-        assert self.t["sliding_window"] < 12 < N_TOKENS  # the ring wraps, chunk 11 > window
+        assert self.t["sliding_window"] < CHUNK < N_TOKENS  # the ring wraps, also inside one chunk
         rng = np.random.default_rng(self.seed)
         self.ids, self.mask, self.emb = random_inputs(self.rm, rng, 2, N_TOKENS, image=spec["image"])
         lay = self.rm.layout()
@@ -143,15 +143,13 @@ def test_chunked_prefill_and_decode_equal_one_shot(name, root):
 
     fails = []
     prefix = 2 * N_TOKENS // 3
-    for c in CHUNKS:
-        n_chunks = -(-prefix // c)
-        sched = [c] * n_chunks + [1] * (N_TOKENS - min(n_chunks * c, N_TOKENS))
-        got = r.run([0], sched)
-        err = max_abs_rel(got, one_shot)
-        if err > TOL:
-            rows = np.abs(got - one_shot).max(-1)[0] / np.abs(one_shot).max()
-            fails.append(f"chunks of {c} then decode: max_abs_rel {err:.3g}; first bad position "
-                         f"{int(np.argmax(rows > TOL))}")
+    n_chunks = -(-prefix // CHUNK)
+    got = r.run([0], [CHUNK] * n_chunks + [1] * (N_TOKENS - n_chunks * CHUNK))
+    err = max_abs_rel(got, one_shot)
+    if err > TOL:
+        rows = np.abs(got - one_shot).max(-1)[0] / np.abs(one_shot).max()
+        fails.append(f"chunks of {CHUNK} then decode: max_abs_rel {err:.3g}; first bad position "
+                     f"{int(np.argmax(rows > TOL))}")
     got = r.run([0], [1] * N_TOKENS)
     err = max_abs_rel(got, one_shot)
     if err > TOL:
@@ -166,7 +164,7 @@ def test_device_side_engram_hashes_across_chunks(name, root):
     r = _runner(name, root)
     assert r.hashes is not None
     one_shot = r.run([0], [N_TOKENS])
-    got = r.run([0], [CHUNKS[0]] * 4 + [1] * (N_TOKENS - 4 * CHUNKS[0]), device_hashes=True)
+    got = r.run([0], [CHUNK] * -(-N_TOKENS // CHUNK), device_hashes=True)
     assert max_abs_rel(got, one_shot) <= TOL
 
 
@@ -177,7 +175,7 @@ def test_batch_with_different_lengths_matches_rows_alone(name, root):
     r = _runner(name, root)
     alone = [r.run([b], [N_TOKENS])[0] for b in (0, 1)]
     P = (N_TOKENS - 8, N_TOKENS - 8 - 9)  # prompt lengths; 8 decode steps each
-    c = CHUNKS[0]
+    c = CHUNK
     B = 2
     cache = r.model.init_cache(B, N_TOKENS)
     got = [[], []]

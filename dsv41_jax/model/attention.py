@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import LayerPlan, TextConfig
-from dsv41_jax.model.layers import HIGHEST, Linear, RMSNorm
+from dsv41_jax.model.layers import Linear, RMSNorm, einsum
 from dsv41_jax.model.rope import layer_inv_freq, rope_tail
 from dsv41_jax.numerics import Numerics
 from dsv41_jax import quant
@@ -126,7 +126,7 @@ class Indexer(nnx.Module):
         if self.numerics.fake_quant:
             q = quant.fq_fp4_e8(q, 32)
         w = (self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)).astype(dt)
-        s = jnp.einsum("bshd,btd->bsht", q, index_k.astype(dt), precision=HIGHEST, preferred_element_type=F32).astype(dt)
+        s = einsum("bshd,btd->bsht", q, index_k.astype(dt), preferred_element_type=F32).astype(dt)
         s = (jnp.maximum(s, 0) * w[..., None]).astype(dt)
         return jnp.sum(s.astype(F32), axis=2).astype(dt)
 
@@ -220,12 +220,12 @@ class Attention(nnx.Module):
         dt = self.numerics.dtype
         scale = self.head_dim ** -0.5
         qf = q.astype(F32)
-        lw = jnp.einsum("bshd,bsjd->bshj", qf, kw.astype(F32), precision=HIGHEST) if kw.ndim == 4 else \
-            jnp.einsum("bshd,bjd->bshj", qf, kw.astype(F32), precision=HIGHEST)
+        lw = einsum("bshd,bsjd->bshj", qf, kw.astype(F32)) if kw.ndim == 4 else \
+            einsum("bshd,bjd->bshj", qf, kw.astype(F32))
         lw = jnp.where(kw_ok[:, :, None, :], lw * scale, NEG_INF)
         parts, vals = [lw], [kw]
         if kc is not None:
-            lc = jnp.einsum("bshd,bskd->bshk", qf, kc.astype(F32), precision=HIGHEST)
+            lc = einsum("bshd,bskd->bshk", qf, kc.astype(F32))
             lc = jnp.where(kc_ok[:, :, None, :], lc * scale, NEG_INF)
             parts.append(lc)
         mx = jnp.maximum(jnp.max(jnp.concatenate(parts, -1), axis=-1), -1e30)
@@ -234,13 +234,13 @@ class Attention(nnx.Module):
         den = jnp.sum(pw, -1)
         if dt != F32:
             pw = pw.astype(dt).astype(F32)
-        o = jnp.einsum("bshj,bjd->bshd", pw, kw.astype(F32), precision=HIGHEST)
+        o = einsum("bshj,bjd->bshd", pw, kw.astype(F32))
         if kc is not None:
             pc = jnp.exp(lc - mx[..., None])
             den = den + jnp.sum(pc, -1)
             if dt != F32:
                 pc = pc.astype(dt).astype(F32)
-            o = o + jnp.einsum("bshk,bskd->bshd", pc, kc.astype(F32), precision=HIGHEST)
+            o = o + einsum("bshk,bskd->bshd", pc, kc.astype(F32))
         den = den + jnp.exp(sink - mx)
         return (o / den[..., None]).astype(dt)
 
@@ -284,7 +284,7 @@ class Attention(nnx.Module):
         o = rope_tail(o, pos[..., None], freqs, inverse=True)
         G = self.n_groups
         wo_a = self.wo_a.weight[...].reshape(G, self.o_rank, -1)
-        o = jnp.einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1).astype(dt), wo_a.astype(dt), precision=HIGHEST,
+        o = einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1).astype(dt), wo_a.astype(dt),
                        preferred_element_type=F32).astype(dt)
         out = self.wo_b(o.reshape(B, S, G * self.o_rank))
 

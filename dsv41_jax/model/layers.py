@@ -8,7 +8,15 @@ from flax import nnx
 from dsv41_jax.numerics import Numerics
 
 HIGHEST = jax.lax.Precision.HIGHEST
+DEFAULT = jax.lax.Precision.DEFAULT
 F32 = jnp.float32
+
+
+def einsum(spec, a, b, **kw):
+    """``jnp.einsum`` at full fp32 precision whenever an operand is fp32 (TF32 would break the
+    1e-5 gate); bf16 operands take the plain bf16 path (exact products, fp32 accumulation)."""
+    prec = HIGHEST if (a.dtype == F32 or b.dtype == F32) else DEFAULT
+    return jnp.einsum(spec, a, b, precision=prec, **kw)
 
 
 def matmul(x, w, out_dtype, compute_dtype=None):
@@ -18,7 +26,7 @@ def matmul(x, w, out_dtype, compute_dtype=None):
     reference runs that GEMM in); defaults to ``out_dtype``.
     """
     cd = out_dtype if compute_dtype is None else compute_dtype
-    y = jnp.einsum("...i,oi->...o", x.astype(cd), w.astype(cd), precision=HIGHEST, preferred_element_type=F32)
+    y = einsum("...i,oi->...o", x.astype(cd), w.astype(cd), preferred_element_type=F32)
     return y.astype(out_dtype)
 
 

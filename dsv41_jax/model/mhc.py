@@ -4,7 +4,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dsv41_jax.model.layers import HIGHEST
+from dsv41_jax.model.layers import einsum
 
 F32 = jnp.float32
 
@@ -18,7 +18,7 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
     n = hc_mult
     x = h.reshape(*h.shape[:-2], -1).astype(F32)
     rs = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
-    m = jnp.einsum("...i,oi->...o", x, fn.astype(F32), precision=HIGHEST, preferred_element_type=F32) * rs
+    m = einsum("...i,oi->...o", x, fn.astype(F32), preferred_element_type=F32) * rs
     scale, base = scale.astype(F32), base.astype(F32)
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import TextConfig
-from dsv41_jax.model.layers import HIGHEST, Linear, matmul
+from dsv41_jax.model.layers import Linear, einsum, matmul
 from dsv41_jax.numerics import Numerics
 from dsv41_jax import quant
 from dsv41_jax.model import moe_ep
@@ -103,13 +103,13 @@ class MoE(nnx.Module):
         full = jnp.sum(jax.nn.one_hot(ids, self.n_experts, dtype=F32) * w[..., None], axis=-2)  # [T, E]
         xa, cd = self._aq(x)
         ex = self.experts
-        g = jnp.einsum("td,eid->tei", xa.astype(cd), ex.w1.weight[...].astype(cd), precision=HIGHEST,
+        g = einsum("td,eid->tei", xa.astype(cd), ex.w1.weight[...].astype(cd),
                        preferred_element_type=F32).astype(dt)
-        u = jnp.einsum("td,eid->tei", xa.astype(cd), ex.w3.weight[...].astype(cd), precision=HIGHEST,
+        u = einsum("td,eid->tei", xa.astype(cd), ex.w3.weight[...].astype(cd),
                        preferred_element_type=F32).astype(dt)
         h = (full[..., None] * swiglu(g, u, self.limit)).astype(dt)
         ha, cd = self._aq(h)
-        y = jnp.einsum("tei,edi->ted", ha.astype(cd), ex.w2.weight[...].astype(cd), precision=HIGHEST,
+        y = einsum("tei,edi->ted", ha.astype(cd), ex.w2.weight[...].astype(cd),
                        preferred_element_type=F32).astype(dt)
         return jnp.sum(y.astype(F32), axis=1)
 
@@ -121,11 +121,11 @@ class MoE(nnx.Module):
         w1 = ex.w1.weight[...][ids]  # [T, k, I, D]
         w3 = ex.w3.weight[...][ids]
         w2 = ex.w2.weight[...][ids]  # [T, k, D, I]
-        g = jnp.einsum("td,tkid->tki", xa.astype(cd), w1.astype(cd), precision=HIGHEST, preferred_element_type=F32).astype(dt)
-        u = jnp.einsum("td,tkid->tki", xa.astype(cd), w3.astype(cd), precision=HIGHEST, preferred_element_type=F32).astype(dt)
+        g = einsum("td,tkid->tki", xa.astype(cd), w1.astype(cd), preferred_element_type=F32).astype(dt)
+        u = einsum("td,tkid->tki", xa.astype(cd), w3.astype(cd), preferred_element_type=F32).astype(dt)
         h = (w[..., None] * swiglu(g, u, self.limit)).astype(dt)
         ha, cd = self._aq(h)
-        y = jnp.einsum("tki,tkdi->tkd", ha.astype(cd), w2.astype(cd), precision=HIGHEST, preferred_element_type=F32).astype(dt)
+        y = einsum("tki,tkdi->tkd", ha.astype(cd), w2.astype(cd), preferred_element_type=F32).astype(dt)
         return jnp.sum(y.astype(F32), axis=1)
 
     def routed_ragged(self, x, w, ids):
@@ -141,7 +141,8 @@ class MoE(nnx.Module):
         sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
         xa, cd = self._aq(x)
         xs = xa[tok].astype(cd)
-        kw = dict(precision=HIGHEST, preferred_element_type=F32)
+        kw = dict(preferred_element_type=F32,
+                  precision=jax.lax.Precision.HIGHEST if cd == F32 else jax.lax.Precision.DEFAULT)
         w1 = jnp.swapaxes(ex.w1.weight[...], 1, 2).astype(cd)  # [E, D, I]
         w3 = jnp.swapaxes(ex.w3.weight[...], 1, 2).astype(cd)
         g = jax.lax.ragged_dot(xs, w1, sizes, **kw).astype(dt)
@@ -150,6 +151,46 @@ class MoE(nnx.Module):
         ha, cd = self._aq(h)
         y = jax.lax.ragged_dot(ha.astype(cd), jnp.swapaxes(ex.w2.weight[...], 1, 2).astype(cd), sizes, **kw).astype(dt)
         return jnp.zeros((T, y.shape[-1]), F32).at[tok].add(y.astype(F32))
+
+    def routed_grouped(self, x, w, ids, chunk: int = 128):
+        """Grouped matmul without a dense emulation: (token, slot) pairs are sorted by expert and
+        laid out in ``chunk``-row blocks that each belong to one expert; a loop over the USED
+        blocks multiplies each by its expert's weights (each selected expert is read once per
+        block of its tokens). Same rounding points as ``routed_dense``."""
+        dt = self.numerics.dtype
+        ex = self.experts
+        T, k = ids.shape
+        E, N, c = self.n_experts, ids.size, chunk
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        se = flat[order]
+        counts = jnp.bincount(flat, length=E).astype(jnp.int32)
+        nch = (counts + c - 1) // c
+        cend = jnp.cumsum(nch)
+        cstart = cend - nch
+        gstart = jnp.cumsum(counts) - counts
+        pidx = cstart[se] * c + (jnp.arange(N, dtype=jnp.int32) - gstart[se])
+        NC = N // c + min(E, N)
+        xa, cd = self._aq(x)
+        D = x.shape[-1]
+        xs = jnp.zeros((NC * c, D), cd).at[pidx].set(xa[order // k].astype(cd))
+        ws = jnp.zeros((NC * c,), F32).at[pidx].set(w.reshape(-1)[order])
+        chunk_expert = jnp.minimum(jnp.searchsorted(cend, jnp.arange(NC), side="right"), E - 1)
+        W1, W2, W3 = ex.w1.weight[...], ex.w2.weight[...], ex.w3.weight[...]
+
+        def body(j, out):
+            e = chunk_expert[j]
+            xc = jax.lax.dynamic_slice_in_dim(xs, j * c, c)
+            wc = jax.lax.dynamic_slice_in_dim(ws, j * c, c)
+            g = einsum("td,id->ti", xc, W1[e].astype(cd), preferred_element_type=F32).astype(dt)
+            u = einsum("td,id->ti", xc, W3[e].astype(cd), preferred_element_type=F32).astype(dt)
+            h = (wc[:, None] * swiglu(g, u, self.limit)).astype(dt)
+            ha, cd2 = self._aq(h)
+            y = einsum("ti,di->td", ha.astype(cd2), W2[e].astype(cd2), preferred_element_type=F32).astype(dt)
+            return jax.lax.dynamic_update_slice_in_dim(out, y, j * c, 0)
+
+        out = jax.lax.fori_loop(0, cend[-1], body, jnp.zeros((NC * c, D), dt))
+        return jnp.zeros((T, D), F32).at[order // k].add(out[pidx].astype(F32))
 
     def __call__(self, x, image_mask=None, capture=None):
         shape = x.shape
@@ -166,6 +207,6 @@ class MoE(nnx.Module):
         elif y is None and self.n_experts <= 16:
             y = self.routed_dense(xt, w, ids)
         elif y is None:
-            y = self.routed_ragged(xt, w, ids)
+            y = self.routed_grouped(xt, w, ids)
         y = y + self.shared_experts(xt).astype(F32)
         return y.astype(x.dtype).reshape(shape)
