@@ -367,10 +367,6 @@ class Plan:
         return {g: out[g] for g in ckpt.group_order(out)}
 
 
-def _fmt_expected(kind: str, shape, block=None) -> str:
-    return f"{kind} {list(shape)}"
-
-
 def _aggregate(names: list[str]) -> list[str]:
     """Collapse per-expert names: layers.0.ffn.experts.{6,7}.w1.weight -> one line with a count."""
     groups: dict[str, list[int]] = {}
@@ -410,8 +406,7 @@ def build_plan(src: Source, cfg, *, dtype: str = "bf16", experts: str | None = N
     build_vision = vision_cfg and not text_only
     block = tuple(int(x) for x in cfg.quant.weight_block_size) if cfg.quant is not None else (32, 32)
     bo, bi = block
-    eq_layers = sorted(n for n in names if n.endswith(".engram.embed.scale"))
-    eq = bool(eq_layers)
+    eq = any(n.endswith(".engram.embed.scale") for n in names)
     model = ckpt.abstract_model(cfg, Numerics("float32", "fast"), engram_quantized=eq, text_only=not build_vision)
     flags = {}
     linear_names = set()

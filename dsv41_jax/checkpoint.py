@@ -52,6 +52,7 @@ CHUNK_BYTES = 16 << 20  # target zarr chunk size (what one device read touches a
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 _VISION_RE = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)")
 _EXPERT_KEY_RE = re.compile(r"^(layers\.\d+\.ffn\.experts\.w[123])\.(weight|scale)$")
+_ENGRAM_TABLE_KEY_RE = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
 
 
 class CheckpointError(ValueError):
@@ -63,9 +64,12 @@ class CheckpointError(ValueError):
 # ----------------------------------------------------------------------------------------------
 
 def group_of(key: str) -> str:
-    """The group (Orbax item) a parameter key is stored in."""
+    """The group (Orbax item) a parameter key is stored in: ``top``, ``layer_NNN``,
+    ``layer_NNN_engram_table`` (the ~100 GB Engram tables get their own item) or ``vision``."""
     m = _LAYER_RE.match(key)
     if m:
+        if _ENGRAM_TABLE_KEY_RE.match(key):
+            return f"layer_{int(m.group(1)):03d}_engram_table"
         return f"layer_{int(m.group(1)):03d}"
     if _VISION_RE.match(key):
         return "vision"
@@ -74,7 +78,12 @@ def group_of(key: str) -> str:
 
 def group_order(groups: Iterable[str]) -> list[str]:
     def k(g):
-        return (0, 0) if g == "top" else (2, 0) if g == "vision" else (1, int(g.split("_")[1]))
+        if g == "top":
+            return (0, 0, 0)
+        if g == "vision":
+            return (2, 0, 0)
+        parts = g.split("_")
+        return (1, int(parts[1]), len(parts) > 2)
 
     return sorted(set(groups), key=k)
 
@@ -331,8 +340,12 @@ def write_group(directory: str, tree: Mapping[str, LazyArray], *, compress: bool
     only when the group is complete."""
     import orbax.checkpoint as ocp
 
+    import jax
+
     handler = _lazy_handler_class()(max_inflight)
-    reg = ocp.type_handlers.create_type_handler_registry((LazyArray, handler))
+    # jax.Array is registered only so that Orbax keeps its array-metadata bookkeeping quiet
+    reg = ocp.type_handlers.create_type_handler_registry((LazyArray, handler),
+                                                         (jax.Array, ocp.type_handlers.ArrayHandler()))
     h = ocp.PyTreeCheckpointHandler(type_handler_registry=reg, use_ocdbt=True, use_zarr3=True,
                                     use_compression=compress)
     ckptr = ocp.Checkpointer(h)
@@ -554,7 +567,8 @@ def _dequant_int8_experts(codes, scale, dtype, out_sharding):
     return _int8_dequantizer(np.dtype(dtype), out_sharding)(codes, scale)
 
 
-def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None, text_only: bool = False):
+def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None, text_only: bool = False,
+                  restore_concurrent_gb: int | None = 4):
     """Restore a DeepseekV41 from a dsv41_jax checkpoint directory.
 
     The model is built abstractly (``nnx.eval_shape``), each parameter is restored into a
@@ -562,7 +576,8 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
     shard) and the model's dtype (Orbax casts while reading; values stored in bf16 are exact).
     The static ``quantized`` flags come from the sidecar. ``config``: a ModelConfig to build the
     model with (default: DST/config.json); ``mesh``/``shardings``: see ``resolve_shardings``;
-    ``text_only``: build and restore without the vision tower (its group is not read).
+    ``text_only``: build and restore without the vision tower (its group is not read);
+    ``restore_concurrent_gb``: Orbax's bound on bytes being read at once (host memory).
     """
     import jax
     import jax.numpy as jnp
@@ -602,7 +617,7 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
                               + "\n  ".join(problems))
     shard = resolve_shardings(model, mesh, shardings)
     restored: dict[str, Any] = {}
-    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=restore_concurrent_gb))
     try:
         for g in group_order(needed_groups):
             item = {}

@@ -41,12 +41,12 @@ FINISH_REASONS = {1: "stop", 2: "length"}
 # ---------------------------------------------------------------------------------------------
 # one forward over a chunk (prefill chunk or one decode token)
 
-def _forward(graphdef, state, cache, ids, valid, inputs_embeds, image_mask, engram_hashes):
+def _forward(graphdef, state, cache, ids, valid, inputs_embeds, image_mask, engram_hashes, logits_at=None):
     model = nnx.merge(graphdef, state)
     B, S = ids.shape
     pos = cache["length"][:, None] + jnp.arange(S, dtype=jnp.int32)[None]
     logits, cache = model(ids, inputs_embeds=inputs_embeds, positions=pos, valid=valid, cache=cache,
-                          image_mask=image_mask, engram_hashes=engram_hashes)
+                          image_mask=image_mask, engram_hashes=engram_hashes, logits_at=logits_at)
     cache = dict(cache, length=cache["length"] + jnp.sum(valid, axis=1).astype(jnp.int32))
     return logits, cache
 
@@ -110,11 +110,12 @@ jax.tree_util.register_dataclass(
 def _prefill_chunk(graphdef, state, cache, ids, valid, inputs_embeds, image_mask, start, last_idx, prev):
     """Run one prompt chunk starting at prompt column ``start``; rows whose last valid prompt
     position ``last_idx`` lies in this chunk take their pending logits from it."""
-    logits, cache = _forward(graphdef, state, cache, ids, valid, inputs_embeds, image_mask, None)
     C = ids.shape[1]
     li = last_idx - start
     inside = (li >= 0) & (li < C)
-    got = jnp.take_along_axis(logits, jnp.clip(li, 0, C - 1)[:, None, None], axis=1)[:, 0]
+    logits, cache = _forward(graphdef, state, cache, ids, valid, inputs_embeds, image_mask, None,
+                             logits_at=jnp.clip(li, 0, C - 1).astype(jnp.int32))
+    got = logits[:, 0]
     return cache, jnp.where(inside[:, None], got, prev)
 
 

@@ -45,7 +45,7 @@ LOGICAL_AXES: dict[str, tuple[str, ...]] = {
     "ffn": ("tensor",),            # intermediate dim of the shared expert
     "vocab": ("tensor", "expert"),  # embedding / head rows (all model-parallel devices)
     "table_rows": ("expert", "tensor"),  # Engram hash-table rows (the largest tensors of all)
-    "engram_out": ("tensor", "expert"),  # Engram key/value projection rows
+    "engram_in": ("tensor", "expert"),  # Engram key/value projection input (looked-up rows)
 }
 
 # logical axes whose dimension is zero-padded up to a multiple of the split instead of falling
@@ -82,7 +82,9 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"\.(attn_norm|ffn_norm)\.weight$", REPLICATED),
     # --- Engram: tables row-sharded
     (r"\.engram\.embed\.(weight|scale)$", ("table_rows", None)),
-    (r"\.engram\.wkv\.(weight|scale)$", ("engram_out", None)),
+    # row-parallel: its output feeds the residual stream, which must stay unsplit (a split
+    # output dim propagates into the hc stream and costs collectives in every norm after it)
+    (r"\.engram\.wkv\.(weight|scale)$", (None, "engram_in")),
     (r"\.engram\.(q_weight|k_weight)$", REPLICATED),
     # --- vision tower, aligner, span markers: data parallel (replicated weights)
     (r"^(vision|aligner)\.", REPLICATED),

@@ -67,6 +67,7 @@ def assign_params(module: nnx.Module, get: Callable[[str], np.ndarray | None], a
         try:
             if srcs is not None:
                 missing = [s for s in srcs if s not in available]
+                used.update(s for s in srcs if s in available)  # present experts are not "unexpected"
                 if missing:
                     problems.append(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more experts)" if len(missing) > 1 else ""))
                     continue
@@ -76,8 +77,8 @@ def assign_params(module: nnx.Module, get: Callable[[str], np.ndarray | None], a
                 if full not in available:
                     problems.append(f"missing tensor {full} (expected shape {list(shape)})")
                     continue
+                used.add(full)  # before get(): a tensor that fails to decode is not also "unexpected"
                 arr = get(full)
-                used.add(full)
         except WeightError as e:
             problems.append(str(e))
             continue

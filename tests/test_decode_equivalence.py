@@ -136,10 +136,18 @@ def test_chunked_prefill_and_decode_equal_one_shot(name, root):
     one_shot = r.run([0], [N_TOKENS])
     # the one-shot prefill itself against the torch oracle
     eh = None if r.hashes is None else {l: r.hashes[:1, :, j] for j, l in enumerate(r.t["engram_layer_ids"])}
+    cap = {}
     ref = O.forward(r.t, r.rm.torch_weights(), torch.from_numpy(r.ids[:1]),
                     image_mask=None if r.mask is None else torch.from_numpy(r.mask[:1]),
-                    inputs_embeds=None if r.emb is None else torch.from_numpy(r.emb[:1]), engram_hashes=eh).numpy()
+                    inputs_embeds=None if r.emb is None else torch.from_numpy(r.emb[:1]), engram_hashes=eh,
+                    capture=cap).numpy()
     assert max_abs_rel(one_shot, ref) <= TOL
+    # the candidate filter really drops visible positions on this sequence
+    for key, cand in cap.items():
+        if key.startswith("candidates_L"):
+            m = r.t["compress_ratios"][int(key[len("candidates_L"):])]
+            visible = np.arange(cand.shape[-1]) < ((np.arange(N_TOKENS) + 1) // m)[:, None]
+            assert (visible & ~cand[0]).sum() > 0, key
 
     fails = []
     prefix = 2 * N_TOKENS // 3

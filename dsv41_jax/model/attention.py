@@ -55,7 +55,7 @@ class Compressor(nnx.Module):
         self.ratio = ratio
         self.numerics = numerics
         D, d = cfg.hidden_size, cfg.head_dim
-        pd = F32 if ratio > 1 else numerics.dtype
+        pd = numerics.dtype  # ratio 2 runs in fp32 on these (bf16-valued) weights
         self.wkv = Linear(D, d, numerics=numerics, param_dtype=pd)
         self.wgate = Linear(D, d, numerics=numerics, param_dtype=pd) if ratio > 1 else None
         self.norm = RMSNorm(d, cfg.rms_norm_eps, param_dtype=numerics.dtype)
@@ -68,9 +68,8 @@ class Compressor(nnx.Module):
             lat = self.norm(self.wkv(x))
             return lat, pos, valid, state
         B, S, _ = x.shape
-        x32 = x.astype(F32)
-        kv = self.wkv(x32, out_dtype=F32, compute_dtype=F32)
-        sc = self.wgate(x32, out_dtype=F32, compute_dtype=F32)
+        kv = self.wkv(x, out_dtype=F32, compute_dtype=F32)
+        sc = self.wgate(x, out_dtype=F32, compute_dtype=F32)
         d = kv.shape[-1]
         NG = (S + 2 * m - 2) // m
         p0 = pos[:, 0]

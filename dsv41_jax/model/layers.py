@@ -26,6 +26,11 @@ def matmul(x, w, out_dtype, compute_dtype=None):
     reference runs that GEMM in); defaults to ``out_dtype``.
     """
     cd = out_dtype if compute_dtype is None else compute_dtype
+    if cd == F32 and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
+        # an fp32 GEMM of bf16-valued operands: the products are exact in fp32 either way, so
+        # skip materialising fp32 copies (e.g. of the 1.3 GB head) and accumulate in fp32
+        y = einsum("...i,oi->...o", x, w, preferred_element_type=F32)
+        return y.astype(out_dtype)
     y = einsum("...i,oi->...o", x.astype(cd), w.astype(cd), preferred_element_type=F32)
     return y.astype(out_dtype)
 
@@ -52,8 +57,11 @@ class Linear(nnx.Module):
         if self.quantized and self.numerics.fake_quant:
             from dsv41_jax.quant import act_quant_fp8
 
-            x = act_quant_fp8(x.astype(F32), 32)
-            y = matmul(x, self.weight[...], od, compute_dtype=F32)
+            w = self.weight[...]
+            # e4m3 x power-of-two values are exact in bf16, so a bf16 weight keeps the bf16 GEMM
+            # (fp32 accumulation) with the same products as the reference's fp32 block GEMM
+            x = act_quant_fp8(x.astype(F32), 32).astype(w.dtype)
+            y = matmul(x, w, od, compute_dtype=F32)
         else:
             y = matmul(x, self.weight[...], od, compute_dtype=compute_dtype)
         if self.bias is not None:

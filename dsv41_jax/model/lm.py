@@ -109,8 +109,11 @@ class DeepseekV41(nnx.Module):
         return jnp.broadcast_to(emb[:, :, None, :], (*emb.shape[:2], n, emb.shape[-1]))
 
     def __call__(self, input_ids, *, inputs_embeds=None, positions=None, valid=None, cache=None,
-                 image_mask=None, engram_hashes=None, capture=None, teacher=None):
-        """Prefill/forward over a chunk. Returns (logits [B,S,V] fp32, cache)."""
+                 image_mask=None, engram_hashes=None, capture=None, teacher=None, logits_at=None):
+        """Prefill/forward over a chunk. Returns (logits [B,S,V] fp32, cache).
+
+        ``logits_at`` [B] int32: compute the head only at that chunk column per row (logits
+        [B,1,V]): a long prefill then never materialises [B,S,V]."""
         B, S = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -126,4 +129,6 @@ class DeepseekV41(nnx.Module):
         y, cache = self.run_layers(self.expand(emb), positions, valid, cache, image_mask=image_mask,
                                    engram_hashes=engram_hashes, engram_mask=engram_mask, capture=capture,
                                    teacher=teacher)
+        if logits_at is not None:
+            y = jnp.take_along_axis(y, jnp.clip(logits_at, 0, S - 1)[:, None, None], axis=1)
         return self.logits(y), cache

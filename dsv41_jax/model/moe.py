@@ -94,7 +94,9 @@ class MoE(nnx.Module):
 
     def _aq(self, x):
         if self.experts.quantized and self.numerics.fake_quant:
-            return quant.act_quant_fp8(x.astype(F32), 32), F32
+            # e4m3 x 2^k activations are exact in the (bf16) weight dtype: same products, fp32 accumulation
+            wdt = self.experts.w1.weight.get_value().dtype
+            return quant.act_quant_fp8(x.astype(F32), 32).astype(wdt), wdt
         return x, self.numerics.dtype
 
     def routed_dense(self, x, w, ids):
