@@ -243,6 +243,36 @@ class Attention(nnx.Module):
         den = den + jnp.exp(sink - mx)
         return (o / den[..., None]).astype(dt)
 
+    def _attend(self, q, pos, kw, kpos, cmp_kv, idx, block: int = 256):
+        """Attention of the chunk's queries. Long chunks run in query blocks: block i only sees
+        the keys slice [i*bq, i*bq + W + bq) of (ring ++ chunk) and its own selected entries, so
+        memory stays O(S * (W + bq + k)) instead of O(S^2)."""
+        B, S = pos.shape
+        W = self.window
+        block = max(block, W)  # later blocks must not need ring slots (stored in slot order)
+
+        def one(qb, pb, kwb, kpb, idxb):
+            qi = pb[:, :, None]
+            ok = (kpb[:, None, :] >= 0) & (kpb[:, None, :] <= qi) & (kpb[:, None, :] > qi - W)
+            kc = kc_ok = None
+            if idxb is not None:
+                kc = cmp_kv[jnp.arange(B)[:, None, None], jnp.maximum(idxb, 0)]
+                kc_ok = idxb >= 0
+            return self._sparse_attn(qb, kwb, ok, kc, kc_ok)
+
+        if S <= 2 * block or S % block:
+            return one(q, pos, kw, kpos, idx)
+        nb = S // block
+
+        def body(i):
+            q0 = i * block
+            sl = lambda a, n, ax=1: jax.lax.dynamic_slice_in_dim(a, q0, n, axis=ax)  # noqa: E731
+            return one(sl(q, block), sl(pos, block), sl(kw, W + block), sl(kpos, W + block),
+                       None if idx is None else sl(idx, block))
+
+        o = jax.lax.map(body, jnp.arange(nb))  # [nb, B, bq, H, d]
+        return jnp.moveaxis(o, 0, 1).reshape(B, S, *o.shape[3:])
+
     # ------------------------------------------------------------------ forward
     def __call__(self, x, pos, valid, cache, ctx, capture=None):
         """x [B,S,D] (normed), pos [B,S] int32 absolute positions, valid [B,S] bool.
@@ -264,8 +294,6 @@ class Attention(nnx.Module):
         cpos = jnp.where(valid, pos, -1)
         kw = jnp.concatenate([cache["win_kv"].astype(dt), kv], axis=1)
         kpos = jnp.concatenate([cache["win_pos"], cpos], axis=1)
-        qi = pos[:, :, None]
-        kw_ok = (kpos[:, None, :] >= 0) & (kpos[:, None, :] <= qi) & (kpos[:, None, :] > qi - W)
 
         cache = dict(cache)
         kc = kc_ok = None
@@ -274,12 +302,8 @@ class Attention(nnx.Module):
                 cache, ctx = self._publish_compressed(x, pos, valid, cache, ctx, capture)
             if self.plan.owns_indexer:
                 ctx = self._select(x, qr, pos, ctx, capture)
-            idx = ctx["topk"]
-            cmp_kv = ctx["cmp_kv"]
-            kc = cmp_kv[jnp.arange(B)[:, None, None], jnp.maximum(idx, 0)]
-            kc_ok = idx >= 0
-
-        o = self._sparse_attn(q, kw, kw_ok, kc, kc_ok)
+            kc, kc_ok = ctx["cmp_kv"], ctx["topk"]
+        o = self._attend(q, pos, kw, kpos, kc, kc_ok)
         o = rope_tail(o, pos[..., None], freqs, inverse=True)
         G = self.n_groups
         wo_a = self.wo_a.weight[...].reshape(G, self.o_rank, -1)
