@@ -129,11 +129,12 @@ def param_bytes(model):
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(st))
 
 
-def bench_decode(model, cfg, batches, ctx):
-    from dsv41_jax.generate import _jitted, _split
+def bench_decode(model, cfg, batches, ctx, moe_path="auto"):
+    from dsv41_jax.generate import _forward, _split
 
     graphdef, state = _split(model)
-    fn = _jitted(graphdef)
+    os.environ["DSV41_MOE_PATH"] = moe_path
+    fn = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,))  # fresh trace per path
     t = cfg.text
     for B in batches:
         try:
@@ -152,7 +153,7 @@ def bench_decode(model, cfg, batches, ctx):
                 jax.block_until_ready(lg)
                 ts.append(time.perf_counter() - t1)
             step = float(np.median(ts))
-            emit(what="decode_step", batch=B, ctx=ctx, layers=t.num_hidden_layers, seconds=step,
+            emit(what="decode_step", batch=B, ctx=ctx, layers=t.num_hidden_layers, moe_path=moe_path, seconds=step,
                  first_call_s=compile_s, tokens_per_s=B / step)
             del cache
         except Exception as e:  # report and continue (OOM etc.)
@@ -238,6 +239,7 @@ def main():
     ap.add_argument("--prefill", default="2048,8192")
     ap.add_argument("--engram-rows", type=int, default=80_000_000)
     ap.add_argument("--skip", default="")
+    ap.add_argument("--moe-paths", default="", help="also time decode with these forced MoE paths")
     a = ap.parse_args()
     skip = set(a.skip.split(","))
     jax.config.update("jax_default_matmul_precision", "default")
@@ -258,6 +260,10 @@ def main():
          engram_rows=cfg.text.engram_num_embeddings)
     if "decode" not in skip:
         bench_decode(model, cfg, [int(b) for b in a.batches.split(",")], a.ctx)
+        if a.moe_paths:
+            for pth in a.moe_paths.split(","):
+                bench_decode(model, cfg, [int(b) for b in a.batches.split(",")], a.ctx, moe_path=pth)
+            os.environ["DSV41_MOE_PATH"] = "auto"
     if "prefill" not in skip:
         bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")])
     if "vit" not in skip and model.vision is not None:

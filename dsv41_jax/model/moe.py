@@ -3,6 +3,8 @@ positions), clamped SwiGLU experts with the route weight applied before ``w2``, 
 expert, fp32 accumulation."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -194,6 +196,20 @@ class MoE(nnx.Module):
         out = jax.lax.fori_loop(0, cend[-1], body, jnp.zeros((NC * c, D), dt))
         return jnp.zeros((T, D), F32).at[order // k].add(out[pidx].astype(F32))
 
+    def _path(self, T: int, k: int) -> str:
+        """Routed-expert implementation for T tokens: ``DSV41_MOE_PATH`` (gather, dense, grouped,
+        ragged) overrides the choice by size (read at trace time)."""
+        forced = os.environ.get("DSV41_MOE_PATH", "auto")
+        if forced != "auto":
+            if forced not in ("gather", "dense", "grouped", "ragged"):
+                raise ValueError(f"DSV41_MOE_PATH={forced!r}: use auto, gather, dense, grouped or ragged")
+            return forced
+        if T * k < self.n_experts:
+            return "gather"
+        if self.n_experts <= 16:
+            return "dense"
+        return "grouped"
+
     def __call__(self, x, image_mask=None, capture=None):
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
@@ -204,11 +220,7 @@ class MoE(nnx.Module):
             capture["moe_weights"] = w.reshape(*shape[:-1], -1)
         T = xt.shape[0]
         y = moe_ep.routed(self, xt, w, ids)  # expert parallel under a mesh with "expert" > 1, else None
-        if y is None and T * w.shape[-1] < self.n_experts:
-            y = self.routed_gather(xt, w, ids)
-        elif y is None and self.n_experts <= 16:
-            y = self.routed_dense(xt, w, ids)
-        elif y is None:
-            y = self.routed_grouped(xt, w, ids)
+        if y is None:
+            y = getattr(self, "routed_" + self._path(T, w.shape[-1]))(xt, w, ids)
         y = y + self.shared_experts(xt).astype(F32)
         return y.astype(x.dtype).reshape(shape)
