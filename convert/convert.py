@@ -34,6 +34,7 @@ from dsv41_jax import quant
 from dsv41_jax.safetensors_io import DTYPES, SafetensorsError, read_header
 
 MANIFEST = "convert_manifest.json"
+TOKEN_MAP_FILE = "engram_token_map.npy"  # dsv41_jax.engram_hash.TOKEN_MAP_FILE
 PARTIAL_SUFFIX = ".partial"
 CONVERTER_VERSION = 1
 
@@ -391,15 +392,37 @@ def _aggregate(names: list[str]) -> list[str]:
     return out
 
 
+def check_tokenizer(directory: str, cfg, token_map_cache: str | None = None) -> list[str]:
+    """The Engram layers need the tokenizer: it must exist and give the config's
+    ``engram_compressed_vocab_size``. Builds the compressed token map (cached at
+    ``token_map_cache`` when given). Returns problems."""
+    if not cfg.text.engram_layer_ids:
+        return []
+    tok = os.path.join(directory, "tokenizer.json")
+    if not os.path.exists(tok):
+        return ["no tokenizer.json: the Engram layers need it (compressed token map)"]
+    from dsv41_jax.engram_hash import load_or_build_token_map
+
+    try:
+        load_or_build_token_map(tok, cfg.text.vocab_size, token_map_cache,
+                                compressed_vocab_size=cfg.text.engram_compressed_vocab_size)
+    except Exception as e:  # noqa: BLE001 - any tokenizer failure is a validation problem
+        return [f"tokenizer.json: {e}"]
+    return []
+
+
 def build_plan(src: Source, cfg, *, dtype: str = "bf16", experts: str | None = None,
-               text_only: bool = False) -> Plan:
+               text_only: bool = False, token_map_cache: str | None = None) -> Plan:
     """Map every model parameter to its source tensors and check everything (names, dtypes,
-    shapes, scales, config agreement). Raises one ConvertError listing every problem."""
+    shapes, scales, config agreement, the tokenizer of the Engram layers unless the source is
+    virtual). Raises one ConvertError listing every problem."""
     from dsv41_jax.numerics import Numerics
 
     out_dtype = _BF16 if dtype == "bf16" else _F32
     experts = experts or dtype
     problems: list[str] = list(src.problems)
+    if os.path.isdir(src.directory):
+        problems += check_tokenizer(src.directory, cfg, token_map_cache)
     notes: list[str] = []
     names = set(src.names)
     vision_cfg = cfg.vision is not None
@@ -794,8 +817,10 @@ def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str 
     except ConfigError as e:
         raise ConvertError(f"source {src}: {e}") from None
     source = Source(src)
+    tmp = tempfile.mkdtemp(prefix="dsv41-convert-")
+    token_map = os.path.join(tmp, TOKEN_MAP_FILE)
     try:
-        plan = build_plan(source, cfg, dtype=dtype, experts=experts, text_only=text_only)
+        plan = build_plan(source, cfg, dtype=dtype, experts=experts, text_only=text_only, token_map_cache=token_map)
         fingerprint = {"converter": CONVERTER_VERSION, "format_version": ckpt.FORMAT_VERSION,
                        "source": source.fingerprint(),
                        "options": {"dtype": dtype, "experts": experts, "text_only": text_only, "compress": compress}}
@@ -849,8 +874,12 @@ def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str 
             ckpt.write_json_atomic(os.path.join(part, MANIFEST), manifest)
         report = _write_groups(plan, source, part, manifest, slab_bytes=slab_bytes, compress=compress,
                                progress=progress, max_groups=max_groups, say=say)
+        if report["complete"] and os.path.exists(token_map):  # the Engram token map, cached for restore
+            for fn in (TOKEN_MAP_FILE, TOKEN_MAP_FILE + ".json"):
+                shutil.copy2(os.path.join(tmp, fn), os.path.join(part, fn))
     finally:
         source.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     report.update({"source": src, "destination": dst, "dtype": dtype, "experts": experts,
                    "text_only": text_only, "dropped": plan.dropped, "forms": plan.forms, "notes": plan.notes,
                    "tensors_read": len(plan.source_names()),

@@ -409,8 +409,14 @@ def fsync_dir(path: str) -> None:
 def save_model(model, path: str, *, overwrite: bool = False, compress: bool = False,
                tokenizer_dir: str | None = None) -> str:
     """Write an in-memory DeepseekV41 as a dsv41_jax checkpoint at ``path`` (atomic: written to
-    ``path.partial`` and renamed). Arrays are stored with the model's own dtypes. Returns path."""
+    ``path.partial`` and renamed). Parameters are stored with the model's own dtypes; the
+    tokenizer files of ``tokenizer_dir`` are copied (required for Engram models: their hash
+    constants are rebuilt from it at restore). Returns path."""
     path = os.path.abspath(path)
+    t = model.config.text
+    if t.engram_layer_ids and not (tokenizer_dir and os.path.exists(os.path.join(tokenizer_dir, "tokenizer.json"))):
+        raise CheckpointError("save_model: the model has Engram layers, whose token map comes from the tokenizer; "
+                              "pass tokenizer_dir= (a directory with tokenizer.json)")
     if os.path.exists(path):
         if not overwrite:
             raise CheckpointError(f"{path} already exists (pass overwrite=True to replace it)")
@@ -441,6 +447,11 @@ def save_model(model, path: str, *, overwrite: bool = False, compress: bool = Fa
         for fn in TOKENIZER_FILES:
             if os.path.exists(os.path.join(tokenizer_dir, fn)):
                 shutil.copy2(os.path.join(tokenizer_dir, fn), os.path.join(part, fn))
+    if t.engram_layer_ids:
+        from dsv41_jax.engram_hash import TOKEN_MAP_FILE, load_or_build_token_map
+
+        load_or_build_token_map(os.path.join(part, "tokenizer.json"), t.vocab_size, os.path.join(part, TOKEN_MAP_FILE),
+                                compressed_vocab_size=t.engram_compressed_vocab_size)
     exp = [v for k, v in params.items() if k.endswith(".ffn.experts.w1.weight")]
     meta = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "complete": True,
@@ -467,20 +478,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # restore
 # ----------------------------------------------------------------------------------------------
 
-def _flatten_shardings(res, names: Iterable[str]) -> dict[str, Any]:
-    """Accept what a sharding rule returns: {name: sharding}, an nnx.State, or a nested dict."""
+def _flat_values(state) -> dict[str, Any]:
+    """dot name -> leaf of an nnx.State (Variables unwrapped), or of a nested mapping/pytree."""
     import jax
     from flax import nnx
 
-    if isinstance(res, Mapping) and all(isinstance(k, str) for k in res) and set(names) <= set(res):
-        return dict(res)
-    out = {}
-    if isinstance(res, nnx.State):
-        items = nnx.to_flat_state(res)
+    if isinstance(state, nnx.State):
+        items = nnx.to_flat_state(state)
     else:
         items = jax.tree_util.tree_flatten_with_path(
-            res, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding) or isinstance(x, nnx.Variable))[0]
+            state, is_leaf=lambda x: isinstance(x, (jax.sharding.Sharding, jax.ShapeDtypeStruct, nnx.Variable)))[0]
         items = [(tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in p), v) for p, v in items]
+    out = {}
     for p, v in items:
         if isinstance(v, nnx.Variable):
             v = v.get_value()
@@ -488,44 +497,90 @@ def _flatten_shardings(res, names: Iterable[str]) -> dict[str, Any]:
     return out
 
 
-def resolve_shardings(abstract, mesh=None, shardings=None) -> dict[str, Any]:
-    """name -> jax.sharding.Sharding for every nnx.Param of the abstract model.
+def _sharding_module():
+    try:
+        from dsv41_jax import sharding as shmod  # the mesh rules (optional at import time)
+    except ImportError:
+        return None
+    return shmod
 
-    ``shardings``: a mapping name -> Sharding (missing names fall back to the default), or a
-    callable ``(name, ShapeDtypeStruct) -> Sharding``. Default: one device when ``mesh`` is None;
-    with a mesh, ``dsv41_jax.sharding.param_shardings(abstract_state, mesh)`` when that module
-    exists, else replicated over the mesh."""
+
+def restore_targets(abstract, mesh=None, shardings=None) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """name -> (target shape, jax.sharding.Sharding) for every nnx.Param of the abstract model.
+
+    ``mesh=None``: one device, logical shapes. With a mesh: ``dsv41_jax.sharding.abstract_params``
+    (placed shapes: Engram table rows zero-padded to a multiple of their split, shardings from the
+    rules) when available, else ``param_shardings``, else replicated. ``shardings`` overrides per
+    name: a mapping name -> Sharding, or a callable ``(name, ShapeDtypeStruct) -> Sharding``
+    (the target then keeps the logical shape)."""
     import jax
-    from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
     flat = flat_params(abstract)
-    names = list(flat)
+    logical = {n: tuple(v.get_value().shape) for n, (_, v) in flat.items()}
+    out: dict[str, tuple] = {}
     if mesh is None:
-        default = {n: SingleDeviceSharding(jax.devices()[0]) for n in names}
+        dev = SingleDeviceSharding(jax.devices()[0])
+        out = {n: (logical[n], dev) for n in flat}
     else:
-        default = None
-        try:
-            from dsv41_jax import sharding as shmod  # optional module (the sharding issue)
-        except ImportError:
-            shmod = None
-        if shmod is not None and hasattr(shmod, "param_shardings"):
-            res = shmod.param_shardings(nnx.state(abstract, nnx.Param), mesh)
-            default = _flatten_shardings(res, names)
-        if default is None or not set(names) <= set(default):
-            rep = NamedSharding(mesh, PartitionSpec())
-            default = {n: (default or {}).get(n, rep) for n in names}
-    if shardings is None:
-        return default
-    out = {}
-    for n in names:
-        v = flat[n][1].get_value()
-        if callable(shardings) and not isinstance(shardings, Mapping):
-            s = shardings(n, v)
-        else:
-            s = shardings.get(n)
-        out[n] = default[n] if s is None else s
+        shmod = _sharding_module()
+        placed = {}
+        if shmod is not None and hasattr(shmod, "abstract_params"):
+            placed = {n: (tuple(v.shape), v.sharding) for n, v in _flat_values(shmod.abstract_params(abstract, mesh)).items()
+                      if isinstance(v, jax.ShapeDtypeStruct)}
+        elif shmod is not None and hasattr(shmod, "param_shardings"):
+            placed = {n: (logical.get(n), v) for n, v in _flat_values(shmod.param_shardings(abstract, mesh)).items()}
+        rep = NamedSharding(mesh, PartitionSpec())
+        out = {n: placed.get(n, (logical[n], rep)) for n in flat}
+    if shardings is not None:
+        for n, (_, v) in flat.items():
+            sds = v.get_value()
+            if callable(shardings) and not isinstance(shardings, Mapping):
+                sh = shardings(n, sds)
+            else:
+                sh = shardings.get(n)
+            if sh is not None:
+                out[n] = (logical[n], sh)
     return out
+
+
+def resolve_shardings(abstract, mesh=None, shardings=None) -> dict[str, Any]:
+    """name -> Sharding for every nnx.Param (see ``restore_targets``)."""
+    return {n: sh for n, (_, sh) in restore_targets(abstract, mesh, shardings).items()}
+
+
+def _materialize_constants(model, cfg, path: str, mesh) -> None:
+    """Give the abstract model real values for its non-parameter variables (derived from the
+    config and the tokenizer, not stored): the Engram hasher's constants and token map (cached as
+    ``engram_token_map.npy`` next to the checkpoint)."""
+    import jax
+    from flax import nnx
+
+    if getattr(model, "engram_hasher", None) is not None:
+        from dsv41_jax.engram_hash import EngramHasher
+        from dsv41_jax.weights import WeightError, attach_token_map
+
+        model.engram_hasher = EngramHasher(cfg.text)
+        try:
+            attach_token_map(model, path, cache_dir=path)
+        except (WeightError, ValueError) as e:
+            raise CheckpointError(f"{path}: {e}") from None
+    state = nnx.state(model, nnx.Not(nnx.Param))
+    left = [path_name(p) for p, v in nnx.to_flat_state(state) if isinstance(v.get_value(), jax.ShapeDtypeStruct)]
+    if left:
+        raise CheckpointError("restore_model does not know how to build these non-parameter variables: "
+                              + ", ".join(left))
+    if mesh is not None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        shmod = _sharding_module()
+        sh = {}
+        if shmod is not None and hasattr(shmod, "param_shardings"):
+            sh = _flat_values(shmod.param_shardings(model, mesh))
+        rep = NamedSharding(mesh, PartitionSpec())
+        for p, v in nnx.to_flat_state(state):
+            v.set_value(jax.device_put(v.get_value(), sh.get(path_name(p), rep)))
+        nnx.update(model, state)
 
 
 def _scale_sharding(weight_sharding, scale_shape):
@@ -572,17 +627,17 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
     """Restore a DeepseekV41 from a dsv41_jax checkpoint directory.
 
     The model is built abstractly (``nnx.eval_shape``), each parameter is restored into a
-    ``jax.ShapeDtypeStruct`` carrying its ``NamedSharding`` (so every device reads only its own
-    shard) and the model's dtype (Orbax casts while reading; values stored in bf16 are exact).
-    The static ``quantized`` flags come from the sidecar. ``config``: a ModelConfig to build the
-    model with (default: DST/config.json); ``mesh``/``shardings``: see ``resolve_shardings``;
-    ``text_only``: build and restore without the vision tower (its group is not read);
+    ``jax.ShapeDtypeStruct`` carrying its sharding (so every device reads only its own shard)
+    and the model's dtype (Orbax casts while reading; values stored in bf16 are exact). The static
+    ``quantized`` flags come from the sidecar; the Engram hasher's constants are built from the
+    config and the checkpoint's tokenizer. ``config``: a ModelConfig to build the model with
+    (default: DST/config.json); ``mesh``/``shardings``: see ``restore_targets``; ``text_only``:
+    build and restore without the vision tower (its group is not read);
     ``restore_concurrent_gb``: Orbax's bound on bytes being read at once (host memory).
     """
     import jax
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
-    from flax import nnx
 
     from dsv41_jax.config import ModelConfig
 
@@ -605,7 +660,6 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
             problems.append(f"missing parameter {name} {list(sds.shape)} in the checkpoint")
         elif tuple(stored[name]["shape"]) != tuple(sds.shape):
             problems.append(f"parameter {name}: checkpoint shape {stored[name]['shape']} != model {list(sds.shape)}")
-    needed_groups = {group_of(n) for n in flat}
     for name, info in stored.items():
         if name in flat or info.get("encoding") == "e8m0_per32":
             continue
@@ -615,29 +669,31 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not fit the model ({len(problems)} problem(s)):\n  "
                               + "\n  ".join(problems))
-    shard = resolve_shardings(model, mesh, shardings)
+    targets = restore_targets(model, mesh, shardings)
+    needed_groups = {stored[n]["group"] for n in flat}
     restored: dict[str, Any] = {}
     ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(restore_concurrent_gb=restore_concurrent_gb))
     try:
         for g in group_order(needed_groups):
-            item = {}
+            item, args = {}, {}
             for name, info in stored.items():
                 if info["group"] != g:
                     continue
                 enc = info.get("encoding", "float")
                 if enc == "e8m0_per32":
                     wname = name[: -len("scale")] + "weight"
-                    item[name] = jax.ShapeDtypeStruct(tuple(info["shape"]), jnp.uint8,
-                                                      sharding=_scale_sharding(shard[wname], tuple(info["shape"])))
-                    continue
-                sds = flat[name][1].get_value()
-                dt = jnp.int8 if enc == "fp4x2_int8" else sds.dtype
-                item[name] = jax.ShapeDtypeStruct(tuple(sds.shape), dt, sharding=shard[name])
+                    shape, dt = tuple(info["shape"]), jnp.uint8
+                    sh = _scale_sharding(targets[wname][1], shape)
+                else:
+                    shape, sh = targets[name]
+                    dt = jnp.int8 if enc == "fp4x2_int8" else flat[name][1].get_value().dtype
+                item[name] = jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+                args[name] = ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=sh, global_shape=shape, dtype=dt,
+                                                  strict=tuple(shape) == tuple(info["shape"]))
             gdir = os.path.join(path, PARAM_DIR, g)
             if not os.path.isdir(gdir):
                 raise CheckpointError(f"{path}: group directory {PARAM_DIR}/{g} is missing")
-            res = ckptr.restore(gdir, args=ocp.args.PyTreeRestore(
-                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item)))
+            res = ckptr.restore(gdir, args=ocp.args.PyTreeRestore(item=item, restore_args=args))
             for name, info in stored.items():
                 if info["group"] != g:
                     continue
@@ -647,7 +703,7 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
                 if enc == "fp4x2_int8":
                     sname = name[: -len("weight")] + "scale"
                     dt = flat[name][1].get_value().dtype
-                    restored[name] = _dequant_int8_experts(res[name], res[sname], dt, shard[name])
+                    restored[name] = _dequant_int8_experts(res[name], res[sname], dt, targets[name][1])
                     del res[sname]
                 else:
                     restored[name] = res[name]
@@ -656,6 +712,7 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
         ckptr.close()
     for name, (_, var) in flat.items():
         var.set_value(restored.pop(name))
+    _materialize_constants(model, cfg, path, mesh)
     return model
 
 

@@ -331,9 +331,12 @@ def main(argv=None) -> int:
         ap.error(f"unknown kind(s) {bad}; choose from {list(KINDS)}")
     mesh = None
     if args.mesh:
-        from dsv41_jax.sharding import mesh_from_spec
+        from dsv41_jax.sharding import ShardingError, mesh_from_spec
 
-        mesh = mesh_from_spec(args.mesh)
+        try:
+            mesh = mesh_from_spec(args.mesh)
+        except ShardingError as e:
+            ap.error(str(e))
     npass = nfail = nskip = 0
     for c in args.cases:
         print(f"case {c}")

@@ -11,17 +11,17 @@ fast numerics: logits and every capture within 1e-5 max_abs_rel; discrete decisi
 top-k, candidate blocks, routed experts) equal as sets, where a disagreement is only accepted at
 an exact tie of the oracle's own scores (then nothing downstream of it is compared).
 reference numerics (fake quant on): a value sitting on a QDQ rounding boundary can flip by one
-quantization step, so arrays are checked by the fraction of rows within 1e-5.
+quantization step on a 1e-7 difference, and a flip then spreads through every later layer; so
+each layer is run teacher-forced from the oracle's own stream and arrays are checked by the
+fraction of rows within 1e-5 (a misplaced or wrong codec moves nearly every row).
 
 The generator helpers are shared with tests/test_decode_equivalence.py.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -553,6 +553,9 @@ def compare_fast(rm, got_logits, got_cap, ref_logits, ref_cap, scores, tol=1e-5)
     layer l nothing that depends on it (later layers, logits) is compared."""
     t = rm.text
     fails, report = [], {"tie_swaps": 0, "checked": 0}
+    extra = sorted(set(got_cap) - set(ref_cap))
+    if extra:  # a role the oracle's topology does not give that layer
+        fails.append(f"captured by the JAX model only: {extra}")
     diverged_at = None
     for l in range(t["num_hidden_layers"]):
         for key in [k for k in ref_cap if k.endswith(f"_L{l}") and not k.startswith("engram_hashes")]:
@@ -602,9 +605,18 @@ def compare_fast(rm, got_logits, got_cap, ref_logits, ref_cap, scores, tol=1e-5)
     return fails, report
 
 
-def compare_reference(rm, got_logits, got_cap, ref_logits, ref_cap, *, min_rows=0.9, min_sets=0.9):
-    """Flip-tolerant comparison for fake-quant numerics: most rows of every array within 1e-5,
-    most selections equal, logits argmax mostly equal."""
+_QUANTIZED = ("compress_kv_L", "index_k_L")  # captured right after their QDQ point
+
+
+def compare_reference(rm, got_logits, got_cap, ref_logits, ref_cap, *, min_stream=0.5, min_quant=0.8,
+                      min_sets=0.9, min_argmax=0.9):
+    """Flip-tolerant comparison for fake-quant numerics, teacher-forced per layer.
+
+    One flipped window-KV element moves the rows that attend to it (up to ``sliding_window`` of
+    them, and the compressed entries' readers): stream-like arrays need ``min_stream`` of their
+    rows within 1e-5; a flip in a quantized capture moves one entry: ``min_quant``; selections
+    ``min_sets`` equal as sets; the logits' argmax ``min_argmax``. A missing or misplaced QDQ point
+    moves every row of what follows it."""
     fails, report = [], {}
     for key, ref in ref_cap.items():
         if key.startswith("engram_hashes") or key not in got_cap:
@@ -627,15 +639,16 @@ def compare_reference(rm, got_logits, got_cap, ref_logits, ref_cap, *, min_rows=
                 got, ref = np.take_along_axis(got, order_g, -1), np.take_along_axis(ref, order_r, -1)
             frac = frac_rows_within(got, ref)
             report[key] = frac
-            if frac < min_rows:
-                fails.append(f"{key}: {frac:.3f} of rows within 1e-5 < {min_rows}")
+            need = min_quant if key.startswith(_QUANTIZED) else min_stream
+            if frac < need:
+                fails.append(f"{key}: {frac:.3f} of rows within 1e-5 < {need}")
     frac = frac_rows_within(got_logits, ref_logits)
     agree = float(np.mean(np.argmax(got_logits, -1) == np.argmax(ref_logits, -1)))
     report["logits_rows"], report["logits_argmax"] = frac, agree
-    if frac < min_rows:
-        fails.append(f"logits: {frac:.3f} of rows within 1e-5 < {min_rows}")
-    if agree < 0.95:
-        fails.append(f"logits: argmax agreement {agree:.3f} < 0.95")
+    if frac < min_stream:
+        fails.append(f"logits: {frac:.3f} of rows within 1e-5 < {min_stream}")
+    if agree < min_argmax:
+        fails.append(f"logits: argmax agreement {agree:.3f} < {min_argmax}")
     return fails, report
 
 
@@ -702,7 +715,7 @@ def test_parity_reference_fp32_teacher_forced(seed, root):
     teacher = {l: (ref_cap[f"block_in_L{l}"], ref_cap[f"pre_mix_in_L{l}"]) for l in range(L)}
     got_logits, got_cap = jax_forward(model, ids, image_mask=mask, inputs_embeds=emb, hashes=hashes,
                                       teacher=teacher)
-    fails, report = compare_reference(rm, got_logits, got_cap, ref_logits, ref_cap, min_rows=0.8, min_sets=0.9)
+    fails, report = compare_reference(rm, got_logits, got_cap, ref_logits, ref_cap)
     assert not fails, f"seed {seed} {report}:\n" + "\n".join(fails)
     # the fake quant is really on: the oracle's fast-numerics logits differ
     fast_logits = O.forward(rm.text, rm.torch_weights(), torch.from_numpy(ids),
@@ -711,6 +724,27 @@ def test_parity_reference_fp32_teacher_forced(seed, root):
                             engram_hashes=None if hashes is None else
                             {l: hashes[:, :, j] for j, l in enumerate(rm.text["engram_layer_ids"])}).numpy()
     assert max_abs_rel(fast_logits, ref_logits) > 1e-3
+
+
+def test_tie_aware_comparison_helpers():
+    scores = np.array([[5.0, 3.0, 3.0, 1.0, -np.inf], [4.0, 2.0, 1.0, 0.5, 0.25]])
+    # row 0: the 2nd pick ties (index 1 or 2); row 1: no tie
+    eq, sw, bad = tie_aware_sets(np.array([[0, 2], [0, 1]]), np.array([[0, 1], [0, 1]]), scores, k=2)
+    assert (eq, sw, bad) == (1, 1, [])
+    eq, sw, bad = tie_aware_sets(np.array([[0, 1], [0, 2]]), np.array([[0, 1], [0, 1]]), scores, k=2)
+    assert (eq, sw) == (1, 0) and len(bad) == 1
+    # -1 = no pick; -inf scores tie with each other
+    eq, sw, bad = tie_aware_sets(np.array([[4, 3, 0, 1, 2]]), np.array([[0, 1, 2, 3, -1]]), scores[:1], k=4)
+    assert bad and not sw
+    sc = np.array([[1.0, 1.0, -np.inf, -np.inf]])
+    assert tie_aware_sets(np.array([[0, 1, 3]]), np.array([[0, 1, 2]]), sc, k=3)[1] == 1
+    # candidate masks are compared as block sets (blocks of 2 over T=5, 2 blocks kept)
+    block_scores = np.array([[[3.0, 3.0, 1.0]]])
+    got = np.array([[[True, True, False, False, True]]])
+    ref = np.array([[[True, True, True, True, False]]])
+    assert candidate_sets(got, ref, block_scores, 2, 2)[1] == 0  # block 2 does not tie with block 1
+    got = np.array([[[True, True, True, True, False]]])
+    assert candidate_sets(got, ref, block_scores, 2, 2)[0] == 1
 
 
 def test_random_configs_cover_every_feature():

@@ -136,6 +136,21 @@ def test_sharded_model_and_moe_on_8_devices():
     assert not bad, bad
 
 
+def test_mesh_from_spec_creates_simulated_devices_before_init():
+    """A fresh process: mesh_from_spec adds simulated CPU devices; once jax is initialised a larger
+    mesh is a clear error that names XLA_FLAGS."""
+    code = ("from dsv41_jax import sharding as s; m = s.mesh_from_spec('1,3,2'); "
+            "print(dict(m.shape), m.devices.size)\n"
+            "try:\n    s.mesh_from_spec('2,4,2')\nexcept s.ShardingError as e:\n    print('ERR', e)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "{'data': 1, 'expert': 3, 'tensor': 2} 6" in p.stdout, p.stdout
+    assert "ERR" in p.stdout and "16 devices" in p.stdout and "xla_force_host_platform_device_count=16" in p.stdout
+
+
 @pytest.mark.skipif(not os.path.isdir(os.path.join(GOLDEN, "text_fast_fp32")), reason="golden case missing")
 def test_verify_golden_on_meshes():
     res = _run_child("verify")
@@ -182,22 +197,28 @@ def _child_moe(out: dict):
     from dsv41_jax.model.moe import MoE
     from dsv41_jax.numerics import Numerics
 
-    cfg = with_text_overrides(preset("tiny"), n_routed_experts=8, moe_intermediate_size=64)
     rng = np.random.default_rng(0)
-    cases = {  # numerics -> meshes; T=2 is the decode (selected-expert gather) path, T=24 dense
-        ("float32", "fast"): ((1, 2, 2), (2, 4, 1), (1, 4, 2)),
-        ("float32", "reference"): ((1, 4, 2),),  # fake-quant blocks of h with the intermediate split
-        ("bfloat16", "reference"): ((1, 2, 2),),  # the "tensor" psum before the bf16 rounding
-    }
-    for (cdt, mode), meshes in cases.items():
+    # (compute dtype, mode, experts, tokens, meshes). 8 experts: T=2 is the decode path (only the
+    # selected local experts' weights), T=24 dense over local experts; 64 experts, T=48: the
+    # unsharded grouped matmul on the local experts (fp32 with the intermediate split; bf16
+    # without), or dense (bf16 with the split, where the "tensor" psum precedes the rounding).
+    cases = (
+        ("float32", "fast", 8, (2, 24), ((1, 2, 2), (2, 4, 1), (1, 4, 2))),
+        ("float32", "reference", 8, (2, 24), ((1, 4, 2),)),  # fake-quant blocks of h, split intermediate
+        ("bfloat16", "reference", 8, (2, 24), ((1, 2, 2),)),
+        ("float32", "fast", 64, (48,), ((1, 2, 2),)),
+        ("bfloat16", "reference", 64, (48,), ((2, 2, 1), (1, 2, 2))),
+    )
+    for cdt, mode, E, Ts, meshes in cases:
         num, quantized = Numerics(cdt, mode), mode == "reference"
+        cfg = with_text_overrides(preset("tiny"), n_routed_experts=E, moe_intermediate_size=64)
         m = MoE(cfg.text, num, vision=True)
         st = nnx.state(m)
         for _, v in nnx.to_flat_state(st):
             v.set_value(jnp.asarray(rng.normal(0, 0.2, v.get_value().shape), v.get_value().dtype))
         nnx.update(m, st)
         m.experts.quantized = quantized
-        for T in (2, 24):
+        for T in Ts:
             x = jnp.asarray(rng.normal(0, 1, (2, T // 2, 64)), num.dtype)
             im = jnp.asarray((np.arange(T).reshape(2, T // 2) % 3) == 0)
             gd, st = nnx.split(m)
@@ -211,11 +232,14 @@ def _child_moe(out: dict):
                     f = jax.jit(lambda s, x, im: nnx.merge(gd2, s)(x, im))
                     got = f(st2, x, im)
                     ep = "shard_map" in str(jax.make_jaxpr(lambda s, x, im: nnx.merge(gd2, s)(x, im))(st2, x, im))
+                    from dsv41_jax.model import moe_ep
+
+                    path = moe_ep.plan(m2, mesh, T)[2]
                 err = _rel(np.asarray(got.astype(jnp.float32)), ref)
                 # fp32: 1e-5; bf16: two bf16 ulps of the largest output (fp32 summation order
                 # inside the matmuls may flip a rounding of an expert output)
                 tol = TOL if num.dtype == jnp.float32 else 2.0 ** -6
-                out[f"moe {num.compute_dtype}/{num.mode} T={T} mesh={spec}"] = dict(
+                out[f"moe {cdt}/{mode} E={E} T={T} mesh={spec} ({path})"] = dict(
                     ok=bool(err <= tol and ep), err=err, expert_parallel=ep)
 
 
@@ -278,9 +302,14 @@ def _child_model(out: dict, tmp: str):
             pre, tok, dec, cache = _greedy(m, ids, embeds, image_mask, n_dec, S + n_dec + 1, mesh)
         e_pre, e_dec = _rel(pre, ref_pre), _rel(dec, ref_dec)
         same = bool(np.array_equal(tok, ref_tok))
-        out[f"model mesh={spec}"] = dict(ok=bool(e_pre <= TOL and e_dec <= TOL and same and not misplaced and not notes),
-                                         prefill=e_pre, decode=e_dec, tokens_equal=same,
-                                         misplaced=misplaced[:5], notes=notes[:5], seconds=round(time.time() - t0, 1))
+        # the cache coming out of the decode steps still has the rule's layout (no drift, no recompiles)
+        want = jax.tree_util.tree_leaves(shd.cache_shardings(cache, mesh))
+        drift = [jax.tree_util.keystr(p) for (p, a), w in zip(jax.tree_util.tree_flatten_with_path(cache)[0], want)
+                 if not a.sharding.is_equivalent_to(w, a.ndim)]
+        ok = e_pre <= TOL and e_dec <= TOL and same and not misplaced and not notes and not drift
+        out[f"model mesh={spec}"] = dict(ok=bool(ok), prefill=e_pre, decode=e_dec, tokens_equal=same,
+                                         misplaced=misplaced[:5], cache_drift=drift[:5], notes=notes[:5],
+                                         seconds=round(time.time() - t0, 1))
 
 
 def _child_verify(out: dict):

@@ -31,7 +31,7 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
         return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
 
-    c = jax.lax.fori_loop(0, iters - 1, body, c)
+    c = jax.lax.fori_loop(0, iters - 1, body, c, unroll=True)  # one fused kernel, not a device loop
     return pre, post, c
 
 

@@ -6,21 +6,27 @@ the unsharded ones); inside ``shard_map`` each device holds ``E / expert`` exper
 intermediate dim split over "tensor" when it divides) and the tokens of its "data" shard:
 
 1. keep the route weights of the local experts (zero elsewhere),
-2. compute the local experts: dense over the local experts for chunks (exact, like
-   ``MoE.routed_dense``), or a gather of only the selected local experts' weights for decode
-   (like ``MoE.routed_gather``),
+2. compute the local experts, by the path ``plan`` picks:
+   * "gather" (decode, where the unsharded MoE gathers): only the selected local experts'
+     weights are read (like ``MoE.routed_gather``);
+   * "dense": every local expert on every local token (like ``MoE.routed_dense``);
+   * a grouped matmul (what the unsharded MoE picks for ``E / expert`` experts, e.g.
+     ``MoE.routed_grouped``): the unsharded implementation itself runs on the local expert
+     shards through a view (``_Local``); pairs routed to other devices carry weight 0.
 3. combine: ``psum`` over "tensor" of the fp32 partial ``w2`` products (the intermediate dim is
    split) and ``psum`` over "expert" of the per-token sums.
 
 Rounding points are those of ``dsv41_jax.model.moe``: each expert output is rounded to the compute
-dtype after its full fp32 ``w2`` product (so with a bf16 compute dtype the "tensor" reduction
-runs on [T, E_local, D] before that rounding), the sum over experts is fp32, and the caller adds
-the shared expert and casts. The only differences to the unsharded MoE are fp32 summation orders.
+dtype after its full fp32 ``w2`` product (so with a bf16 compute dtype and a split intermediate the
+"tensor" reduction runs on the fp32 [T, E_local, D] or [T, k, D] partials before that rounding;
+the grouped implementations round inside, so that case runs "dense"), the sum over experts is
+fp32, and the caller adds the shared expert and casts. The only differences to the unsharded MoE
+are fp32 summation orders.
 
-Where a grouped matmul belongs: step 2's dense einsum over local experts computes every
-(token, local expert) pair; at scale, sort the (token, slot) pairs by local expert and run
-``jax.lax.ragged_dot`` over the groups (or dispatch tokens with an all-to-all over "expert" and
-capacity buckets), then un-sort before the "expert" psum.
+At scale the grouped path still visits every (token, slot) pair on every expert shard (the ones
+routed elsewhere with weight 0): the next step is dispatching tokens with an all-to-all over
+"expert" into capacity buckets (only local pairs per device), then the reverse all-to-all in
+place of the "expert" psum.
 """
 from __future__ import annotations
 
@@ -78,9 +84,54 @@ def expert_mesh():
 
 
 # ------------------------------------------------------------------------------------ plan
+class _Local:
+    """The MoE as seen by one device: its local expert shards in place of the stacked weights, so
+    the unsharded implementations (``MoE.routed_*``, ``MoE._aq``, ``MoE._path``) run on them."""
+
+    class _W:
+        def __init__(self, a):
+            self.a = a
+
+        def __getitem__(self, idx):
+            return self.a[idx]
+
+        def get_value(self):
+            return self.a
+
+        @property
+        def shape(self):
+            return self.a.shape
+
+    class _P:
+        def __init__(self, a):
+            self.weight = _Local._W(a)
+
+    class _E:
+        pass
+
+    def __init__(self, moe, w1, w3, w2):
+        self.numerics, self.limit, self.gate = moe.numerics, moe.limit, moe.gate
+        self.n_experts = w1.shape[0]
+        self.experts = _Local._E()
+        self.experts.quantized = moe.experts.quantized
+        self.experts.w1, self.experts.w3, self.experts.w2 = _Local._P(w1), _Local._P(w3), _Local._P(w2)
+
+    def __getattr__(self, name):  # MoE methods (routed_*, _aq, _path) bound to this view
+        from dsv41_jax.model.moe import MoE
+
+        fn = getattr(MoE, name)
+        return fn.__get__(self, type(self))
+
+
 def plan(moe, mesh, n_tokens: int):
-    """Static decisions: (split intermediate over "tensor", token axis, use gather) or None when the
-    expert count does not divide the "expert" axis (the caller keeps the unsharded path)."""
+    """Static decisions (split intermediate over "tensor", token axis, local path) or None when the
+    expert count does not divide the "expert" axis (the caller keeps the unsharded path).
+
+    Local path: "gather" when the unsharded MoE would gather (decode: only the selected experts'
+    weights are read), else the unsharded MoE's choice for ``E / expert`` experts and the local
+    token count ("dense" or a grouped matmul); a grouped path with a bf16 compute dtype and a
+    split intermediate runs "dense" instead, whose "tensor" reduction can precede the rounding.
+    """
     sizes = _sizes(mesh)
     ep, tp, dp = sizes.get("expert", 1), sizes.get("tensor", 1), sizes.get("data", 1)
     E = moe.n_experts
@@ -93,12 +144,21 @@ def plan(moe, mesh, n_tokens: int):
         split = False  # a split would cut the activation fake-quant blocks of h
     tok = "data" if dp > 1 and n_tokens % dp == 0 else None
     k = moe.gate.k
-    gather = n_tokens * k < E  # same decision as the unsharded MoE
-    return split, tok, gather
+    if n_tokens * k < E:  # same decision as the unsharded MoE
+        return split, tok, "gather"
+    t_local = n_tokens // dp if tok else n_tokens
+    path = "dense"
+    if hasattr(moe, "_path"):
+        view = _Local(moe, *(jax.ShapeDtypeStruct((E // ep,) + tuple(w.shape[1:]), w.dtype)
+                             for w in (moe.experts.w1.weight, moe.experts.w3.weight, moe.experts.w2.weight)))
+        path = view._path(t_local, k)
+    if path not in ("gather", "dense") and split and moe.numerics.dtype != F32:
+        path = "dense"
+    return split, tok, path
 
 
 # ------------------------------------------------------------------------------------ body
-def _local(moe, split: bool, gather: bool, x, w, ids, w1, w3, w2):
+def _local(moe, split: bool, path: str, x, w, ids, w1, w3, w2):
     """One device: x [t, D], w/ids [t, k]; w1/w3 [E_l, I_l, D], w2 [E_l, D, I_l]."""
     from dsv41_jax.model.moe import swiglu
 
@@ -107,6 +167,14 @@ def _local(moe, split: bool, gather: bool, x, w, ids, w1, w3, w2):
     lid = ids - jax.lax.axis_index("expert") * El
     local = (lid >= 0) & (lid < El)
     wl = jnp.where(local, w, 0.0).astype(F32)
+    if path not in ("gather", "dense"):
+        # the unsharded grouped implementation on the local experts; pairs routed elsewhere get
+        # weight 0 (an exact zero contribution). Its rounding of each expert output happens
+        # inside, so this path is only planned when that rounding commutes with the "tensor"
+        # reduction (fp32, or no split).
+        y = getattr(_Local(moe, w1, w3, w2), "routed_" + path)(x, wl, jnp.clip(lid, 0, El - 1))
+        return jax.lax.psum(y, ("expert", "tensor") if split else ("expert",))
+    gather = path == "gather"
     xa, cd = moe._aq(x)
     dot = functools.partial(jnp.einsum, precision=HIGHEST, preferred_element_type=F32)
     if gather:
@@ -147,10 +215,12 @@ def routed(moe, x, w, ids, mesh=None):
     p = plan(moe, mesh, x.shape[0])
     if p is None:
         return None
-    split, tok, gather = p
+    split, tok, path = p
     ex = moe.experts
     ffn = "tensor" if split else None
     in_specs = (P(tok), P(tok), P(tok), P("expert", ffn, None), P("expert", ffn, None), P("expert", None, ffn))
-    fn = shard_map(functools.partial(_local, moe, split, gather), mesh=mesh, in_specs=in_specs,
-                   out_specs=P(tok))
+    # the unsharded grouped paths carry loop state that starts device-invariant and becomes
+    # device-varying: no replication typing for them (their psums are explicit anyway)
+    fn = shard_map(functools.partial(_local, moe, split, path), mesh=mesh, in_specs=in_specs,
+                   out_specs=P(tok), check=path in ("gather", "dense"))
     return fn(x, w.astype(F32), ids.astype(jnp.int32), ex.w1.weight[...], ex.w3.weight[...], ex.w2.weight[...])
