@@ -129,7 +129,7 @@ def param_bytes(model):
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(st))
 
 
-def bench_decode(model, cfg, batches, ctx, moe_path="auto"):
+def bench_decode(model, cfg, batches, ctx, moe_path="auto", tag="engram_table_on_device"):
     from dsv41_jax.generate import _forward, _split
 
     graphdef, state = _split(model)
@@ -153,7 +153,7 @@ def bench_decode(model, cfg, batches, ctx, moe_path="auto"):
                 jax.block_until_ready(lg)
                 ts.append(time.perf_counter() - t1)
             step = float(np.median(ts))
-            emit(what="decode_step", batch=B, ctx=ctx, layers=t.num_hidden_layers, moe_path=moe_path, seconds=step,
+            emit(what="decode_step", batch=B, ctx=ctx, layers=t.num_hidden_layers, moe_path=moe_path, engram=tag, seconds=step,
                  first_call_s=compile_s, tokens_per_s=B / step)
             del cache
         except Exception as e:  # report and continue (OOM etc.)
@@ -264,6 +264,14 @@ def main():
             for pth in a.moe_paths.split(","):
                 bench_decode(model, cfg, [int(b) for b in a.batches.split(",")], a.ctx, moe_path=pth)
             os.environ["DSV41_MOE_PATH"] = "auto"
+    if "engram_host" not in skip and "decode" not in skip:
+        from dsv41_jax.model.engram import offload_engram_tables
+
+        t0 = time.perf_counter()
+        moved = offload_engram_tables(model)
+        emit(what="engram_offload", bytes=moved, seconds=time.perf_counter() - t0)
+        bench_decode(model, cfg, [int(b) for b in a.batches.split(",")], a.ctx, moe_path="auto",
+                     tag="engram_table_on_host")
     if "prefill" not in skip:
         bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")])
     if "vit" not in skip and model.vision is not None:

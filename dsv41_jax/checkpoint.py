@@ -200,6 +200,9 @@ class LazyArray:
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
 
+    def __deepcopy__(self, memo):  # Orbax may deep-copy host values; a LazyArray holds no data
+        return self
+
     def __array__(self, dtype=None, copy=None):  # fallback for handlers that want the whole array
         out = np.concatenate([self.produce(a, min(a + self.slab_rows, self.shape[0]))
                               for a in range(0, self.shape[0], self.slab_rows)])
@@ -262,7 +265,10 @@ def _lazy_handler_class():
         uncommitted data are pending at any time."""
 
         def __init__(self, max_inflight: int = 512 << 20):
-            super().__init__(deepcopy_host_arrays=False)
+            try:
+                super().__init__(deepcopy_host_arrays=False)
+            except TypeError:  # older Orbax
+                super().__init__()
             self._lock = None
             self._inflight = collections.deque()  # [commit future, nbytes, on_write, counted]
             self._inflight_bytes = 0

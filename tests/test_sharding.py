@@ -32,7 +32,11 @@ MESH_CONFIG = {"text_config": {
     "index_n_heads": 8, "index_head_dim": 32, "index_topk": 6, "engram_layer_ids": [0, 1],
 }}
 MESHES = ((1, 1, 8), (1, 8, 1), (2, 2, 2), (8, 1, 1), (1, 4, 2))
-GOLDEN_MESHES = ((1, 2, 2), (1, 3, 2))
+# the golden dim-64 family has 4 heads, 2 output groups, 6 experts, batch 1: (1,3,2) splits
+# experts 3 ways and heads/groups/intermediate 2 ways (and pads the Engram tables). More meshes
+# (e.g. 1,2,2 / 1,6,1) via DSV41_SHARDING_GOLDEN_MESHES="1,2,2;1,6,1" (each costs ~25 s of CPU).
+GOLDEN_MESHES = tuple(tuple(int(v) for v in m.split(","))
+                      for m in os.environ.get("DSV41_SHARDING_GOLDEN_MESHES", "1,3,2").split(";") if m.strip())
 TOL = 1e-5
 
 
