@@ -139,10 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("src", help="directory with config.json, tokenizer files and *.safetensors (+ index)")
     s.add_argument("dst", help="output directory (written atomically; DST.partial while in progress)")
     s.add_argument("--dtype", default="bf16", choices=["bf16", "float32"], help="dtype of dequantized weights")
-    s.add_argument("--experts", default="bf16", choices=["bf16", "int8"],
-                   help="routed experts: dequantized (bf16) or int8 codes + ue8m0 scales (lossless from fp4)")
-    s.add_argument("--max-memory", default="8GB", help="host memory budget for one conversion group")
+    s.add_argument("--experts", default=None, choices=["bf16", "float32", "int8"],
+                   help="routed experts: dequantized (default: --dtype) or int8 codes + ue8m0 scales (lossless from fp4)")
+    s.add_argument("--max-memory", default="4GB", help="host memory budget for one conversion group")
     s.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
+    s.add_argument("--overwrite", action="store_true", help="replace an existing DST")
+    s.add_argument("--text-only", action="store_true", help="drop the vision tower")
+    s.add_argument("--dry-run", action="store_true", help="validate only, write nothing")
+    s.epilog = "All flags: python -m convert --help"
     s.set_defaults(fn=cmd_convert)
 
     s = sub.add_parser("generate", help="generate text from a prompt (with images)")
@@ -191,6 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # convert / info own their full flag sets (python -m convert)
+    if argv and argv[0] == "convert" and not ({"-h", "--help"} & set(argv[1:2])):
+        from convert import main as convert_main
+
+        return convert_main(argv[1:])
+    if argv and argv[0] == "info" and not ({"-h", "--help"} & set(argv[1:2])):
+        from convert import main as convert_main
+
+        return convert_main(argv)
     args = build_parser().parse_args(argv)
     try:
         return int(args.fn(args) or 0)

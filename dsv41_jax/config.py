@@ -246,10 +246,17 @@ def parse_text_config(t: Mapping[str, Any], where: str = "text_config.") -> Text
                 raise ConfigError(
                     f"config: layer {l} (ratio {r}) reads kv source {kv} of ratio {ratios[kv]} ('{where}compress_ratios')")
             if kv > ix:
-                # an index source must score against the keys of its own kv group
-                pass
+                raise ConfigError(
+                    f"config: layer {l} reads kv source {kv} but index source {ix} < {kv}: every kv source must "
+                    f"also be listed in '{where}index_source_layer_ids' (its indexer owns the index keys)")
     if cand >= 0 and cand not in idx_sources:
         raise ConfigError(f"config: '{where}candidate_source_layer_id' = {cand} is not an index source")
+    if cand >= 0:
+        for s in idx_sources:
+            if s > cand and ratios[s] != ratios[cand]:
+                raise ConfigError(
+                    f"config: '{where}candidate_source_layer_id' = {cand} (ratio {ratios[cand]}) filters index source "
+                    f"{s} of another ratio ({ratios[s]}); their compressed positions differ")
     H = int(g("num_attention_heads"))
     G = int(g("o_groups"))
     if G <= 0 or H % G:

@@ -252,8 +252,11 @@ def _param_specs(cfg: Mapping) -> list[tuple[str, str, tuple[int, ...], str]]:
     E, I, ns = t["n_routed_experts"], t["moe_intermediate_size"], t.get("n_shared_experts", 1)
     ih, ihd = t["index_n_heads"], t["index_head_dim"]
     ratios = list(t["compress_ratios"])
-    kv_src = set(t.get("kv_source_layer_ids") or [])
-    idx_src = set(t.get("index_source_layer_ids") or [])
+    from dsv41_jax.config import parse_text_config
+
+    plans = parse_text_config(t).layers  # the topology with config.py's fallbacks
+    kv_src = {p.index for p in plans if p.owns_compressor}
+    idx_src = {p.index for p in plans if p.owns_indexer}
     eng = list(t.get("engram_layer_ids") or [])
     vl = cfg.get("vision_config") is not None and cfg["vision_config"].get("num_hidden_layers", 0) > 0
 

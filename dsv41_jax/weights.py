@@ -50,7 +50,8 @@ def expert_source_names(name: str, n_experts: int) -> list[str] | None:
 
 def assign_params(module: nnx.Module, get: Callable[[str], np.ndarray | None], available: Iterable[str],
                   *, prefix: str = "", n_experts: int = 0, strict: bool = True,
-                  convert: Callable[[str, np.ndarray, tuple, np.dtype], np.ndarray] | None = None) -> set[str]:
+                  convert: Callable[[str, np.ndarray, tuple, np.dtype], np.ndarray] | None = None,
+                  extra_problems: Iterable[str] = ()) -> set[str]:
     """Fill every nnx.Param of ``module`` from ``get(original_name)``.
 
     ``available``: the checkpoint's tensor names (for the unexpected-tensor check, restricted to
@@ -58,7 +59,7 @@ def assign_params(module: nnx.Module, get: Callable[[str], np.ndarray | None], a
     every missing, unexpected or mis-shaped tensor.
     """
     available = set(available)
-    problems: list[str] = []
+    problems: list[str] = list(extra_problems)
     used: set[str] = set()
     updates = {}
     for name, (path, shape, dtype) in param_names(module).items():
@@ -66,13 +67,29 @@ def assign_params(module: nnx.Module, get: Callable[[str], np.ndarray | None], a
         srcs = expert_source_names(full, n_experts)
         try:
             if srcs is not None:
-                missing = [s for s in srcs if s not in available]
-                used.update(s for s in srcs if s in available)  # present experts are not "unexpected"
+                missing = [s_ for s_ in srcs if s_ not in available]
+                used.update(s_ for s_ in srcs if s_ in available)
                 if missing:
                     problems.append(f"missing tensor {missing[0]}" + (f" (and {len(missing) - 1} more experts)" if len(missing) > 1 else ""))
                     continue
-                arr = np.stack([get(s) for s in srcs])
-                used.update(srcs)
+                parts, bad = [], False
+                for s_ in srcs:
+                    try:
+                        a = get(s_)
+                    except WeightError as e:
+                        problems.append(str(e))
+                        bad = True
+                        continue
+                    if tuple(a.shape) != shape[1:]:
+                        problems.append(f"tensor {s_}: shape {list(a.shape)} does not match the model's {list(shape[1:])}")
+                        bad = True
+                    elif np.issubdtype(a.dtype, np.floating) and not np.all(np.isfinite(a.astype(np.float32))):
+                        problems.append(f"tensor {s_}: contains NaN or Inf")
+                        bad = True
+                    parts.append(a)
+                if bad:
+                    continue
+                arr = np.stack(parts)
             else:
                 if full not in available:
                     problems.append(f"missing tensor {full} (expected shape {list(shape)})")
@@ -206,15 +223,17 @@ def load_original(directory: str, numerics, *, text_only: bool = False, config=N
             return arr
         return arr.astype(np.float32)
 
-    assign_params(model, get, available, n_experts=cfg.text.n_routed_experts, convert=convert)
-    attach_token_map(model, directory)
-    # scales must belong to a weight the model consumed
-    problems = []
+    # scales must belong to a weight: reported together with every other problem
+    expected = set()
+    for name in param_names(model):
+        srcs = expert_source_names(name, cfg.text.n_routed_experts)
+        expected.update(srcs if srcs is not None else [name])
+    stray = []
     for n in ck.names:
         if n.endswith(".scale") and not _RAW_RE.search(n) and not any(r.match(n) for r in IGNORED):
             w = n[: -len("scale")] + "weight"
-            if w not in ck:
-                problems.append(f"unexpected tensor {n} (no matching {w})")
-    if problems:
-        raise WeightError(f"{len(problems)} problem(s) loading weights:\n  " + "\n  ".join(problems))
+            if w not in ck and w not in expected:  # a missing model weight is reported as missing
+                stray.append(f"unexpected tensor {n} (no matching {w})")
+    assign_params(model, get, available, n_experts=cfg.text.n_routed_experts, convert=convert, extra_problems=stray)
+    attach_token_map(model, directory)
     return model

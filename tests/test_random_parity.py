@@ -793,11 +793,6 @@ def test_image_mask_changes_routing_in_the_oracle(root):
     assert differ
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG tiny._param_specs: the tensor inventory reads kv_source_layer_ids / "
-    "index_source_layer_ids straight from the dict (`t.get(...) or []`) instead of the topology "
-    "with config.py's fallbacks, so a tiny checkpoint whose config omits them has no compressor / "
-    "indexer tensors and load_original rejects it (this file writes its own inventory instead)."))
 def test_tiny_checkpoint_with_topology_fallbacks_loads(tmp_path):
     from dsv41_jax import tiny
 
