@@ -6,6 +6,9 @@ count, which only works before jax starts). The kernel is this interpreter
 so the test needs no installed ``python3`` kernel and works in a fresh virtual environment. The
 kernel's cwd is notebooks/ and the repository root is on its PYTHONPATH (the package need not be
 installed).
+
+Environment: DSV41_NOTEBOOK_CELL_TIMEOUT (seconds per cell, default 900); DSV41_NOTEBOOK_OUT (a
+directory to write the executed notebooks to, e.g. as CI artifacts).
 """
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ def kernel_dir(tmp_path_factory):
     # the notebooks choose their own XLA flags (device count) before jax starts
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")).strip()
     (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+                 "--InteractiveShell.colors=nocolor"],  # plain tracebacks in the failure message
         "display_name": "dsv41_jax test kernel",
         "language": "python",
         "env": env,
@@ -54,17 +58,18 @@ def _run(name: str, kernel_dir: Path):
     """Execute notebook ``name``; returns (notebook, seconds). Fails with the failing cell's error."""
     from jupyter_client.kernelspec import KernelSpecManager
     from jupyter_client.manager import KernelManager
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     nb = nbformat.read(NB_DIR / name, as_version=4)
     km = KernelManager(kernel_name=KERNEL, kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernel_dir)]))
     client = nbclient.NotebookClient(nb, km=km, timeout=CELL_TIMEOUT, startup_timeout=180,
                                      resources={"metadata": {"path": str(NB_DIR)}})
     t0 = time.perf_counter()
+    error = None
     try:
         client.execute(cleanup_kc=True)
-    except (CellExecutionError, CellTimeoutError) as e:
-        pytest.fail(f"{name}: a cell failed\n{e}", pytrace=False)
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
+        error = f"{name}: a cell failed\n{e}"
     finally:
         if km.has_kernel:  # a client given its kernel manager only stops the kernel when told to
             km.shutdown_kernel(now=True)
@@ -72,6 +77,8 @@ def _run(name: str, kernel_dir: Path):
         if keep:
             os.makedirs(keep, exist_ok=True)
             nbformat.write(nb, os.path.join(keep, name))
+    if error:
+        pytest.fail(error, pytrace=False)
     dt = time.perf_counter() - t0
     print(f"{name}: {dt:.1f}s")
     return nb, dt
