@@ -26,8 +26,8 @@ NEG_INF = -jnp.inf
 
 def _scatter_rows(buf, idx, vals):
     """buf [B, T, ...] .at[b, idx[b, j]].set(vals[b, j]); out-of-range idx (e.g. T) are dropped."""
-    b = jnp.arange(buf.shape[0])[:, None]
-    return buf.at[b, idx].set(vals.astype(buf.dtype), mode="drop")
+    # per-row scatter under vmap: batch-sharded caches stay local (no traffic over "data")
+    return jax.vmap(lambda b, i, v: b.at[i].set(v.astype(b.dtype), mode="drop"))(buf, idx, vals)
 
 
 def select_candidate_blocks(score, n_vis, topk_blocks: int, block: int):
@@ -256,7 +256,7 @@ class Attention(nnx.Module):
             ok = (kpb[:, None, :] >= 0) & (kpb[:, None, :] <= qi) & (kpb[:, None, :] > qi - W)
             kc = kc_ok = None
             if idxb is not None:
-                kc = cmp_kv[jnp.arange(B)[:, None, None], jnp.maximum(idxb, 0)]
+                kc = jax.vmap(lambda c, i: c[i])(cmp_kv, jnp.maximum(idxb, 0))
                 kc_ok = idxb >= 0
             return self._sparse_attn(qb, kwb, ok, kc, kc_ok)
 
