@@ -39,6 +39,8 @@ import math
 import os
 import re
 import shutil
+
+import ml_dtypes
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
@@ -763,7 +765,7 @@ def info(path: str) -> dict:
     total_p = total_b = 0
     for name, p in meta["params"].items():
         n = math.prod(p["shape"])
-        b = n * np.dtype(p["dtype"]).itemsize
+        b = n * np.dtype(getattr(ml_dtypes, p["dtype"], p["dtype"])).itemsize
         is_scale = p.get("encoding") in ("e8m0", "e8m0_per32")
         c = cats.setdefault(category_of(name), {"params": 0, "bytes": 0})
         c["bytes"] += b

@@ -151,6 +151,50 @@ def _captured_forward(model, ids, **kw):
     return f(state, ids, kw)
 
 
+def run_preprocess_dir(directory: str) -> list[Result]:
+    """A preprocess fixture directory (preprocess.json + preprocess.npz + images/): every image's
+    plan, grids, span, patch bytes (sha256 of the bf16 tensor) and types, and the prompt expansion,
+    compared exactly."""
+    from dsv41_jax import processor as P
+    from dsv41_jax.config import parse_vision_config
+
+    with open(os.path.join(directory, "preprocess.json")) as f:
+        meta = json.load(f)
+    npz = np.load(os.path.join(directory, "preprocess.npz"))
+    vcfg = parse_vision_config(meta["vision_config"])
+    res: list[Result] = []
+    done = {}
+    for im in meta["images"]:
+        name = im["name"]
+        try:
+            p = P.preprocess_image(os.path.join(directory, im["file"]), vcfg)
+        except Exception as e:  # noqa: BLE001 - reported as a failed check
+            ok = im["status"] != "ok"
+            res.append(Result(f"image {name}", "preprocess", ok, f"{type(e).__name__}: {e}"))
+            continue
+        done[name] = p
+        checks = {
+            "size": (tuple(p.resized_size), (im.get("resized_width"), im.get("resized_height"))),
+            "vit_grid": (list(p.vit_grid), im.get("vit_grid")),
+            "llm_grid": (list(p.llm_grid), im.get("llm_grid")),
+            "span_len": (p.span_len, im.get("span_len")),
+            "patches_sha256": (p.patches_sha256(), im.get("patches_sha256")),
+        }
+        bad = [k for k, (g, r) in checks.items() if g != r]
+        key = "types_" + name
+        if key in npz.files and not np.array_equal(p.types, npz[key]):
+            bad.append("types")
+        res.append(Result(f"image {name}", "preprocess", not bad and im["status"] == "ok",
+                          "exact" if not bad else f"differs: {', '.join(bad)}"))
+    ex = meta.get("prompt_expansion")
+    if ex and all(n in done for n in ex["images"]):
+        out = P.expand_prompt(ex["prompt_ids"], [done[n] for n in ex["images"]], meta["image_token_id"])
+        ok = (np.array_equal(out.input_ids, npz["input_ids"]) and np.array_equal(out.types, npz["token_types"])
+              and np.array_equal(out.image_starts, npz["image_starts"]))
+        res.append(Result("prompt_expansion", "preprocess", ok, "exact" if ok else "differs"))
+    return res
+
+
 def run_case(case_dir: str, only: tuple[str, ...] = KINDS, weights: str | None = None, mesh=None,
              log: Callable[[str], None] = print) -> list[Result]:
     """Run every check of ``only``; with ``mesh`` the parameters, cache and inputs are placed by
@@ -172,6 +216,8 @@ def _run_case(case_dir: str, only: tuple[str, ...], weights: str | None, mesh,
     from dsv41_jax.weights import load_original
 
     jax.config.update("jax_default_matmul_precision", "highest")
+    if os.path.exists(os.path.join(case_dir, "preprocess.json")) and not os.path.exists(os.path.join(case_dir, "case.json")):
+        return run_preprocess_dir(case_dir) if "preprocess" in only else []
     case = Case(case_dir)
     cfg = ModelConfig.from_file(case_dir)
     results: list[Result] = []
@@ -188,7 +234,8 @@ def _run_case(case_dir: str, only: tuple[str, ...], weights: str | None, mesh,
 
     needs_model = any(k in only for k in ("vision", "blocks", "prefill", "decode"))
     has_images = any(b.get("images") for b in case.meta["batch"])
-    ids, types, images = _inputs(case, cfg) if ("preprocess" in only or needs_model) else (None, None, None)
+    need_inputs = "preprocess" in only or "engram" in only or needs_model
+    ids, types, images = _inputs(case, cfg) if need_inputs else (None, None, None)
     if "preprocess" in only:
         check("input_ids", "preprocess", ids)
         check("types", "preprocess", types)

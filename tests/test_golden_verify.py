@@ -57,3 +57,9 @@ def test_not_a_case(tmp_path, capsys):
     rc = main([str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 1 and "not a case directory" in out
+
+
+def test_preprocess_fixture_directory():
+    res = run_case(os.path.join(GOLDEN, "preprocess"), KINDS, log=lambda s: None)
+    assert len(res) == 11, [r.name for r in res]
+    assert all(r.ok for r in res), [f"{r.name}: {r.detail}" for r in res if not r.ok]
