@@ -234,9 +234,13 @@ class DeepseekVL:
         """fp32 logits [S, V] of one prompt (after image expansion), one-shot prefill."""
         import jax.numpy as jnp
 
+        from dsv41_jax.generate import forward_chunk
+
         prep = self.prepare(prompt, images)
         ids = jnp.asarray(np.asarray(prep.input_ids[0])[None], jnp.int32)
-        logits, _ = self.model(ids, inputs_embeds=prep.inputs_embeds, image_mask=prep.image_mask)
+        cache = self.model.init_cache(1, ids.shape[1])
+        logits, _ = forward_chunk(self.model, ids, cache, inputs_embeds=prep.inputs_embeds,
+                                  image_mask=prep.image_mask)  # jitted, cache donated
         return np.asarray(logits[0])
 
 
