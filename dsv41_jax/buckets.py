@@ -80,16 +80,25 @@ class PaddedBatch:
     n: int
 
 
-def pad_prompts(prompts: Sequence[Sequence[int]], *, length: int | None = None, batch: int | None = None,
-                pad_id: int = 0, buckets: Buckets = DEFAULT_BUCKETS, chunk: int | None = None) -> PaddedBatch:
-    """Right-pad ``prompts`` to ``[batch, length]`` (default: their buckets) with a valid mask."""
+def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None = None) -> list[list[int]]:
+    """The prompts as lists, or one ValueError for an empty batch, an empty prompt, or ids outside
+    ``[0, vocab)``."""
     prompts = [list(p) for p in prompts]
-    n = len(prompts)
-    if n == 0:
+    if not prompts:
         raise ValueError("generate: empty batch (no prompts)")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"generate: prompt {i} is empty (every prompt needs at least one token)")
+        if vocab is not None and (min(p) < 0 or max(p) >= vocab):
+            raise ValueError(f"generate: prompt {i} has token ids outside the vocabulary [0, {vocab})")
+    return prompts
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], *, length: int | None = None, batch: int | None = None,
+                pad_id: int = 0, buckets: Buckets = DEFAULT_BUCKETS, chunk: int | None = None) -> PaddedBatch:
+    """Right-pad ``prompts`` to ``[batch, length]`` (default: their buckets) with a valid mask."""
+    prompts = check_prompts(prompts)
+    n = len(prompts)
     longest = max(len(p) for p in prompts)
     B = buckets.batch(n) if batch is None else batch
     L = buckets.prompt_len(longest, chunk) if length is None else length

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dsv41_jax.buckets import DEFAULT_BUCKETS, Buckets, pad_prompts, round_up
+from dsv41_jax.buckets import DEFAULT_BUCKETS, Buckets, check_prompts, pad_prompts, round_up
 from dsv41_jax.sampling import SamplingParams, sample
 
 F32 = jnp.float32
@@ -302,15 +302,8 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
     t_start = time.perf_counter()
     cfg = model.config
     V = cfg.text.vocab_size
-    prompts = [list(p) for p in prompts]
+    prompts = check_prompts(prompts, V)
     n = len(prompts)
-    if n == 0:
-        raise ValueError("generate: empty batch (no prompts)")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"generate: prompt {i} is empty (every prompt needs at least one token)")
-        if min(p) < 0 or max(p) >= V:
-            raise ValueError(f"generate: prompt {i} has token ids outside the vocabulary [0, {V})")
     max_new = _per_row("max_new_tokens", max_new_tokens, n)
     if np.any(max_new < 1):
         raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new.tolist()}")
