@@ -244,6 +244,25 @@ class DeepseekVL:
         return np.asarray(logits[0])
 
 
+def enable_compilation_cache(directory: str | None = None) -> str | None:
+    """Persistent XLA compilation cache (default ``~/.cache/dsv41_jax/xla``; set
+    ``DSV41_COMPILATION_CACHE=0`` to disable, or a path to move it): a second process reuses the
+    compiled prefill / decode executables instead of compiling again."""
+    import jax
+
+    env = os.environ.get("DSV41_COMPILATION_CACHE")
+    if env == "0":
+        return None
+    directory = directory or env or os.path.join(os.path.expanduser("~"), ".cache", "dsv41_jax", "xla")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    except (OSError, AttributeError):
+        return None
+    return directory
+
+
 def _is_original(path: str) -> bool:
     return os.path.exists(os.path.join(path, "model.safetensors.index.json")) or any(
         f.endswith(".safetensors") for f in os.listdir(path))
@@ -258,6 +277,7 @@ def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numeric
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise LoadError(f"{path}: not a directory (expected a checkpoint directory)")
+    enable_compilation_cache()
     num = Numerics(dtype, numerics)
     cfg = ModelConfig.from_file(path)
     if isinstance(mesh, str):
