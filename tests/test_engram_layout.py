@@ -170,3 +170,51 @@ def test_normalization_groups():
     tm2 = EL.build_compressed_token_map(tok, len(words) + 3)
     np.testing.assert_array_equal(tm2[: len(words)], tm)
     np.testing.assert_array_equal(tm2[len(words):], 0)
+
+
+def _straightforward_map(tok, vocab_size):
+    """Spec §8.2 written out plainly (independent of engram_layout): decode each id alone,
+    NFKC -> NFD -> drop combining marks -> lowercase -> collapse [ \\t\\r\\n]+ -> ' ' ->
+    a lone ' ' becomes U+E000 -> strip -> U+E000 back to ' '; empty -> raw text; text with
+    U+FFFD -> keyed by the token string; numbered by first appearance."""
+    import re
+    import unicodedata
+
+    keys, out = {}, []
+    for i in range(vocab_size):
+        raw = tok.decode([i], skip_special_tokens=False)
+        if "\ufffd" in raw:
+            key = ("tok", tok.id_to_token(i))
+        else:
+            t = unicodedata.normalize("NFKC", raw)
+            t = unicodedata.normalize("NFD", t)
+            t = "".join(c for c in t if unicodedata.category(c) != "Mn")
+            t = t.lower()
+            t = re.sub(r"[ \t\r\n]+", " ", t)
+            t = "\ue000" if t == " " else t
+            t = t.strip().replace("\ue000", " ")
+            key = ("txt", t if t else raw)
+        out.append(keys.setdefault(key, len(keys)))
+    return np.asarray(out, np.int32)
+
+
+def test_byte_level_bpe_with_invalid_utf8_pieces_matches_straightforward_map():
+    """A real byte-level BPE: single ids that are partial UTF-8 sequences decode to U+FFFD."""
+    from tokenizers import decoders, pre_tokenizers, trainers
+    from tokenizers.models import BPE
+
+    tok = Tokenizer(BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["Héllo wörld, HELLO world!", "Ｆｕｌｌ－ｗｉｄｔｈ ＡＢＣ ａｂｃ", "café  naïve\tTAB\nnewline",
+              "日本語のテキスト 漢字", "ﬁne ﬂow ½ Ⅸ ²", "   spaces   and\r\nCRLF", "emoji 😀😃 ok"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    V = tok.get_vocab_size()
+    got = EL.build_compressed_token_map(tok, V)
+    want = _straightforward_map(tok, V)
+    np.testing.assert_array_equal(got, want)
+    # the vocabulary really contains partial UTF-8 pieces and merged case/width variants
+    assert any("\ufffd" in tok.decode([i]) for i in range(V))
+    assert EL.compressed_vocab_size(got) < V
