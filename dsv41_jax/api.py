@@ -154,7 +154,8 @@ class DeepseekVL:
             ids, from_msgs = self._to_prompt(p)
             srcs = list(from_msgs) + list(imgs or [])
             pi = [self.preprocess(processor.load_image_bytes(s) if isinstance(s, dict) else s,
-                                  name=f"prompt {i} image {j}") for j, s in enumerate(srcs)]
+                                  name=f"prompt {i} image {j}" + (f" ({os.fspath(s)})" if isinstance(s, (str, os.PathLike)) else ""))
+                  for j, s in enumerate(srcs)]
             exp = processor.expand_prompt(ids, pi, self.config.image_token_id)
             rows.append(exp)
             procs.append(pi)
