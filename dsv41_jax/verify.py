@@ -370,7 +370,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=",".join(KINDS), help=f"comma-separated kinds out of {','.join(KINDS)}")
     ap.add_argument("--weights", default=None, help="restore weights from this Orbax checkpoint instead")
     ap.add_argument("--mesh", default=None, help="D,E,T device mesh (simulated CPU devices if needed)")
-    ap.add_argument("-v", "--verbose", action="store_true", help="print every check, not only failures")
+    ap.add_argument("-v", "--verbose", action="store_true", default=True, help="print every check (default)")
+    ap.add_argument("-q", "--quiet", dest="verbose", action="store_false", help="print only failures and totals")
     args = ap.parse_args(argv)
     only = tuple(k.strip() for k in args.only.split(",") if k.strip())
     bad = [k for k in only if k not in KINDS]
