@@ -235,14 +235,23 @@ class DeepseekVL:
         """fp32 logits [S, V] of one prompt (after image expansion), one-shot prefill."""
         import jax.numpy as jnp
 
+        from dsv41_jax.buckets import DEFAULT_BUCKETS
         from dsv41_jax.generate import forward_chunk
 
         prep = self.prepare(prompt, images)
-        ids = jnp.asarray(np.asarray(prep.input_ids[0])[None], jnp.int32)
-        cache = self.model.init_cache(1, ids.shape[1])
-        logits, _ = forward_chunk(self.model, ids, cache, inputs_embeds=prep.inputs_embeds,
-                                  image_mask=prep.image_mask)  # jitted, cache donated
-        return np.asarray(logits[0])
+        S = len(prep.input_ids[0])
+        L = max(DEFAULT_BUCKETS.prompt_len(S), S)  # bucketed length: no recompile per prompt length
+        ids = np.zeros((1, L), np.int32)
+        ids[0, :S] = prep.input_ids[0]
+        valid = jnp.asarray(np.arange(L)[None] < S)
+        emb, mask = prep.inputs_embeds, prep.image_mask
+        if emb is not None:
+            emb = jnp.pad(emb[:, :S], ((0, 0), (0, L - S), (0, 0)))
+            mask = jnp.pad(mask[:, :S], ((0, 0), (0, L - S)))
+        cache = self.model.init_cache(1, L)
+        logits, _ = forward_chunk(self.model, jnp.asarray(ids), cache, valid=valid, inputs_embeds=emb,
+                                  image_mask=mask)  # jitted, cache donated
+        return np.asarray(logits[0, :S])
 
 
 def enable_compilation_cache(directory: str | None = None) -> str | None:
