@@ -279,11 +279,12 @@ def _is_original(path: str) -> bool:
 
 
 def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numerics: str = "reference",
-         text_only: bool = False, tokenizer: bool = True) -> DeepseekVL:
+         text_only: bool = False, tokenizer: bool = True, experts_int8: bool = False) -> DeepseekVL:
     """Load a converted Orbax checkpoint (``dsv41-jax convert``) or an original-format DeepSeek
     checkpoint directory. ``mesh``: a ``jax.sharding.Mesh`` or "D,E,T" spec to shard onto.
     ``dtype``: compute dtype ("bfloat16" or "float32"); ``numerics``: "reference" (the official
-    fake-quant points) or "fast"."""
+    fake-quant points) or "fast"; ``experts_int8``: keep fp4 routed experts quantized in device
+    memory (original fp4 checkpoints, or Orbax ones converted with ``--experts int8``)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise LoadError(f"{path}: not a directory (expected a checkpoint directory)")
@@ -297,7 +298,7 @@ def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numeric
     if _is_original(path):
         from dsv41_jax.weights import load_original
 
-        model = load_original(path, num, text_only=text_only)
+        model = load_original(path, num, text_only=text_only, experts_int8=experts_int8)
         if mesh is not None:
             from dsv41_jax.sharding import shard_model
 
@@ -305,7 +306,7 @@ def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numeric
     else:
         from dsv41_jax.checkpoint import restore_model
 
-        model = restore_model(path, num, config=cfg, mesh=mesh, text_only=text_only)
+        model = restore_model(path, num, config=cfg, mesh=mesh, text_only=text_only, experts_int8=experts_int8)
     tok = None
     tp = os.path.join(path, "tokenizer.json")
     if tokenizer and os.path.exists(tp):

@@ -133,14 +133,15 @@ def quantized_flags(model) -> dict[str, bool]:
     return {name: bool(mod.quantized) for name, mod in quantizable_modules(model)}
 
 
-def abstract_model(config, numerics, *, engram_quantized: bool = False, text_only: bool = False):
+def abstract_model(config, numerics, *, engram_quantized: bool = False, text_only: bool = False,
+                   experts_int8: bool = False):
     """A DeepseekV41 whose arrays are ShapeDtypeStructs (nothing allocated)."""
     from flax import nnx
 
     from dsv41_jax.model.lm import DeepseekV41
 
     return nnx.eval_shape(lambda: DeepseekV41(config, numerics, engram_quantized=engram_quantized,
-                                              text_only=text_only))
+                                              text_only=text_only, experts_int8=experts_int8))
 
 
 def flat_params(model) -> dict[str, tuple[tuple, Any]]:
@@ -631,7 +632,7 @@ def _dequant_int8_experts(codes, scale, dtype, out_sharding):
 
 
 def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None, text_only: bool = False,
-                  restore_concurrent_gb: int | None = 4):
+                  restore_concurrent_gb: int | None = 4, experts_int8: bool = False):
     """Restore a DeepseekV41 from a dsv41_jax checkpoint directory.
 
     The model is built abstractly (``nnx.eval_shape``), each parameter is restored into a
@@ -641,7 +642,9 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
     config and the checkpoint's tokenizer. ``config``: a ModelConfig to build the model with
     (default: DST/config.json); ``mesh``/``shardings``: see ``restore_targets``; ``text_only``:
     build and restore without the vision tower (its group is not read);
-    ``restore_concurrent_gb``: Orbax's bound on bytes being read at once (host memory).
+    ``restore_concurrent_gb``: Orbax's bound on bytes being read at once (host memory);
+    ``experts_int8``: keep routed experts converted with ``--experts int8`` quantized in device
+    memory (codes + scales, dequantized per use) instead of dequantizing them at restore.
     """
     import jax
     import jax.numpy as jnp
@@ -656,7 +659,10 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
     if cfg.vision is not None and not text_only and not meta.get("has_vision"):
         raise CheckpointError(f"{path}: the config has a vision tower but the checkpoint holds no vision weights "
                               "(converted text-only); restore with text_only=True")
-    model = abstract_model(cfg, numerics, engram_quantized=bool(meta.get("engram_quantized")), text_only=text_only)
+    if experts_int8 and not any(i.get("encoding") == "fp4x2_int8" for i in stored.values()):
+        raise CheckpointError(f"{path}: experts_int8 needs a checkpoint converted with --experts int8")
+    model = abstract_model(cfg, numerics, engram_quantized=bool(meta.get("engram_quantized")), text_only=text_only,
+                           experts_int8=experts_int8)
     flags = meta.get("quantized", {})
     for name, mod in quantizable_modules(model):
         mod.quantized = bool(flags.get(name, False))
@@ -710,8 +716,11 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
                     continue
                 if enc == "fp4x2_int8":
                     sname = name[: -len("weight")] + "scale"
-                    dt = flat[name][1].get_value().dtype
-                    restored[name] = _dequant_int8_experts(res[name], res[sname], dt, targets[name][1])
+                    if experts_int8:
+                        restored[name], restored[sname] = res[name], res[sname]
+                    else:
+                        dt = flat[name][1].get_value().dtype
+                        restored[name] = _dequant_int8_experts(res[name], res[sname], dt, targets[name][1])
                     del res[sname]
                 else:
                     restored[name] = res[name]

@@ -184,8 +184,14 @@ def _linear_modules(model):
             yield path_to_name(path), mod
 
 
-def load_original(directory: str, numerics, *, text_only: bool = False, config=None):
-    """Build a DeepseekV41 from an original-format DeepSeek checkpoint directory."""
+_EXPERT_TENSOR_RE = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.(weight|scale)$")
+
+
+def load_original(directory: str, numerics, *, text_only: bool = False, config=None, experts_int8: bool = False):
+    """Build a DeepseekV41 from an original-format DeepSeek checkpoint directory.
+
+    ``experts_int8``: keep the release fp4 routed experts quantized in memory (int8 codes = 2 x
+    e2m1 value, plus the ue8m0 scale bytes), dequantized only where a computation reads them."""
     from dsv41_jax.config import ModelConfig
     from dsv41_jax.model.layers import Linear
     from dsv41_jax.model.lm import DeepseekV41
@@ -195,7 +201,13 @@ def load_original(directory: str, numerics, *, text_only: bool = False, config=N
     ck = Checkpoint(directory)
     eng_q = any(n.endswith(".engram.embed.scale") for n in ck.names)
     block = tuple(cfg.quant.weight_block_size) if cfg.quant is not None else (32, 32)
-    model = DeepseekV41(cfg, numerics, engram_quantized=eng_q, text_only=text_only)
+    if experts_int8:
+        fp4 = [n for n in ck.names if re.search(r"\.ffn\.experts\.\d+\.w1\.weight$", n)]
+        not_fp4 = [n for n in fp4 if ck.info(n)[0] not in ("I8", "U8")]
+        if not fp4 or not_fp4:
+            raise WeightError(f"{directory}: experts_int8 needs fp4 routed experts (I8-packed with .scale); "
+                              f"found {ck.info(not_fp4[0])[0] + ' in ' + not_fp4[0] if not_fp4 else 'none'}")
+    model = DeepseekV41(cfg, numerics, engram_quantized=eng_q, text_only=text_only, experts_int8=experts_int8)
     # activation fake-quant where the checkpoint stores the weight fp8/fp4 (wo_a runs bf16)
     for name, mod in _linear_modules(model):
         if isinstance(mod, Linear):
@@ -203,12 +215,19 @@ def load_original(directory: str, numerics, *, text_only: bool = False, config=N
         else:
             mod.quantized = (name + ".0.w1.scale") in ck
     available = [n for n in ck.names
-                 if not n.endswith(".scale") or _RAW_RE.search(n)]
+                 if not n.endswith(".scale") or _RAW_RE.search(n) or (experts_int8 and _EXPERT_TENSOR_RE.search(n))]
     if cfg.vision is None or text_only:
         available = [n for n in available if not _VISION_RE.match(n)]
     used_scales = set()
 
     def get(name):
+        if experts_int8 and _EXPERT_TENSOR_RE.search(name):
+            from dsv41_jax import quant
+
+            a = ck.get(name)
+            if name.endswith(".scale"):
+                return quant.raw_u8(a)
+            return (2 * quant.unpack_fp4(a)).astype(np.int8)  # twice the e2m1 value: exact integers
         if _RAW_RE.search(name):
             a = ck.get(name)
             if name.endswith(".scale"):
@@ -219,7 +238,7 @@ def load_original(directory: str, numerics, *, text_only: bool = False, config=N
         return dequantize_tensor(ck, name, block)
 
     def convert(name, arr, shape, dtype):
-        if _RAW_RE.search(name):
+        if _RAW_RE.search(name) or arr.dtype in (np.int8, np.uint8):
             return arr
         return arr.astype(np.float32)
 
@@ -232,6 +251,8 @@ def load_original(directory: str, numerics, *, text_only: bool = False, config=N
     for n in ck.names:
         if n.endswith(".scale") and not _RAW_RE.search(n) and not any(r.match(n) for r in IGNORED):
             w = n[: -len("scale")] + "weight"
+            if experts_int8 and _EXPERT_TENSOR_RE.search(n):
+                continue  # consumed as a parameter
             if w not in ck and w not in expected:  # a missing model weight is reported as missing
                 stray.append(f"unexpected tensor {n} (no matching {w})")
     assign_params(model, get, available, n_experts=cfg.text.n_routed_experts, convert=convert, extra_problems=stray)

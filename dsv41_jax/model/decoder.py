@@ -17,7 +17,7 @@ F32 = jnp.float32
 
 class Block(nnx.Module):
     def __init__(self, cfg: TextConfig, plan: LayerPlan, numerics: Numerics, *, vision: bool = False,
-                 engram_quantized: bool = False):
+                 engram_quantized: bool = False, experts_int8: bool = False):
         self.plan = plan
         self.numerics = numerics
         n, D = cfg.hc_mult, cfg.hidden_size
@@ -32,7 +32,7 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(D, cfg.rms_norm_eps, param_dtype=numerics.dtype)
         self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps, param_dtype=numerics.dtype)
         self.attn = Attention(cfg, plan, numerics)
-        self.ffn = MoE(cfg, numerics, vision)
+        self.ffn = MoE(cfg, numerics, vision, experts_int8)
         self.engram = (Engram(cfg, cfg.engram_num_embeddings[plan.engram_slot], numerics, engram_quantized)
                        if plan.has_engram else None)
 

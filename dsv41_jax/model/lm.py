@@ -34,14 +34,15 @@ class Head(nnx.Module):
 
 class DeepseekV41(nnx.Module):
     def __init__(self, config: ModelConfig, numerics: Numerics, *, engram_quantized: bool = False,
-                 text_only: bool = False):
+                 text_only: bool = False, experts_int8: bool = False):
         self.config = config
         self.numerics = numerics
         t = config.text
         dt = numerics.dtype
         vision = config.vision is not None
         self.embed = Embedding(t.vocab_size, t.hidden_size, dt)
-        self.layers = nnx.List([Block(t, p, numerics, vision=vision, engram_quantized=engram_quantized)
+        self.layers = nnx.List([Block(t, p, numerics, vision=vision, engram_quantized=engram_quantized,
+                                      experts_int8=experts_int8)
                                 for p in t.layers])
         self.norm = RMSNorm(t.hidden_size, t.rms_norm_eps, param_dtype=dt)
         if t.engram_layer_ids:

@@ -69,35 +69,68 @@ class Expert(nnx.Module):
 
 
 class StackedWeight(nnx.Module):
-    """One routed-expert projection for all experts: ``weight`` [E, out, in]."""
+    """One routed-expert projection for all experts: ``weight`` [E, out, in].
 
-    def __init__(self, E: int, out_f: int, in_f: int, dtype):
-        self.weight = nnx.Param(jnp.zeros((E, out_f, in_f), dtype))
+    ``int8=True`` keeps the release fp4 experts quantized in device memory: ``weight`` holds int8
+    codes equal to twice the e2m1 value (-12..12) and ``scale`` the ue8m0 byte of every 32
+    inputs [E, out, in/32]; values are ``code / 2 * 2^(scale - 127)``, dequantized (exactly, in
+    the compute dtype) only for the experts a computation reads.
+    """
+
+    def __init__(self, E: int, out_f: int, in_f: int, dtype, int8: bool = False):
+        self.int8 = int8
+        if int8:
+            if in_f % 32:
+                raise ValueError(f"int8 experts need an input width divisible by 32, got {in_f}")
+            self.weight = nnx.Param(jnp.zeros((E, out_f, in_f), jnp.int8))
+            self.scale = nnx.Param(jnp.zeros((E, out_f, in_f // 32), jnp.uint8))
+        else:
+            self.weight = nnx.Param(jnp.zeros((E, out_f, in_f), dtype))
+            self.scale = None
+
+    @staticmethod
+    def _dequant(codes, scale, dtype):
+        s = jax.lax.bitcast_convert_type(scale.astype(jnp.uint32) << 23, F32)
+        s = jnp.where(scale == 0, jnp.float32(2.0 ** -127), s) * 0.5
+        v = codes.astype(F32).reshape(*codes.shape[:-1], -1, 32) * s[..., None]
+        return v.reshape(codes.shape).astype(dtype)
+
+    def values(self, dtype):
+        """All experts [E, out, in] in ``dtype``."""
+        if not self.int8:
+            return self.weight[...].astype(dtype)
+        return self._dequant(self.weight[...], self.scale[...], dtype)
+
+    def take(self, ids, dtype):
+        """The experts ``ids`` (any shape) -> [*ids.shape, out, in]."""
+        if not self.int8:
+            return self.weight[...][ids].astype(dtype)
+        return self._dequant(self.weight[...][ids], self.scale[...][ids], dtype)
 
 
 class Experts(nnx.Module):
-    def __init__(self, cfg: TextConfig, numerics: Numerics):
+    def __init__(self, cfg: TextConfig, numerics: Numerics, int8: bool = False):
         E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.numerics = numerics
         self.quantized = False  # set by the loader when the checkpoint stores fp4/fp8 experts
-        self.w1 = StackedWeight(E, I, D, numerics.dtype)
-        self.w2 = StackedWeight(E, D, I, numerics.dtype)
-        self.w3 = StackedWeight(E, I, D, numerics.dtype)
+        self.w1 = StackedWeight(E, I, D, numerics.dtype, int8)
+        self.w2 = StackedWeight(E, D, I, numerics.dtype, int8)
+        self.w3 = StackedWeight(E, I, D, numerics.dtype, int8)
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: TextConfig, numerics: Numerics, vision: bool):
+    def __init__(self, cfg: TextConfig, numerics: Numerics, vision: bool, experts_int8: bool = False):
         self.numerics = numerics
         self.limit = cfg.swiglu_limit
         self.n_experts = cfg.n_routed_experts
         self.gate = Gate(cfg, numerics, vision)
-        self.experts = Experts(cfg, numerics)
+        self.experts = Experts(cfg, numerics, experts_int8)
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, numerics)
 
     def _aq(self, x):
         if self.experts.quantized and self.numerics.fake_quant:
             # e4m3 x 2^k activations are exact in the (bf16) weight dtype: same products, fp32 accumulation
-            wdt = self.experts.w1.weight.get_value().dtype
+            wdt = self.numerics.dtype if self.experts.w1.int8 else self.experts.w1.weight.get_value().dtype
             return quant.act_quant_fp8(x.astype(F32), 32).astype(wdt), wdt
         return x, self.numerics.dtype
 
@@ -107,13 +140,13 @@ class MoE(nnx.Module):
         full = jnp.sum(jax.nn.one_hot(ids, self.n_experts, dtype=F32) * w[..., None], axis=-2)  # [T, E]
         xa, cd = self._aq(x)
         ex = self.experts
-        g = einsum("td,eid->tei", xa.astype(cd), ex.w1.weight[...].astype(cd),
+        g = einsum("td,eid->tei", xa.astype(cd), ex.w1.values(cd),
                        preferred_element_type=F32).astype(dt)
-        u = einsum("td,eid->tei", xa.astype(cd), ex.w3.weight[...].astype(cd),
+        u = einsum("td,eid->tei", xa.astype(cd), ex.w3.values(cd),
                        preferred_element_type=F32).astype(dt)
         h = (full[..., None] * swiglu(g, u, self.limit)).astype(dt)
         ha, cd = self._aq(h)
-        y = einsum("tei,edi->ted", ha.astype(cd), ex.w2.weight[...].astype(cd),
+        y = einsum("tei,edi->ted", ha.astype(cd), ex.w2.values(cd),
                        preferred_element_type=F32).astype(dt)
         return jnp.sum(y.astype(F32), axis=1)
 
@@ -122,9 +155,9 @@ class MoE(nnx.Module):
         dt = self.numerics.dtype
         ex = self.experts
         xa, cd = self._aq(x)
-        w1 = ex.w1.weight[...][ids]  # [T, k, I, D]
-        w3 = ex.w3.weight[...][ids]
-        w2 = ex.w2.weight[...][ids]  # [T, k, D, I]
+        w1 = ex.w1.take(ids, cd)  # [T, k, I, D]
+        w3 = ex.w3.take(ids, cd)
+        w2 = ex.w2.take(ids, cd)  # [T, k, D, I]
         g = einsum("td,tkid->tki", xa.astype(cd), w1.astype(cd), preferred_element_type=F32).astype(dt)
         u = einsum("td,tkid->tki", xa.astype(cd), w3.astype(cd), preferred_element_type=F32).astype(dt)
         h = (w[..., None] * swiglu(g, u, self.limit)).astype(dt)
@@ -147,13 +180,13 @@ class MoE(nnx.Module):
         xs = xa[tok].astype(cd)
         kw = dict(preferred_element_type=F32,
                   precision=jax.lax.Precision.HIGHEST if cd == F32 else jax.lax.Precision.DEFAULT)
-        w1 = jnp.swapaxes(ex.w1.weight[...], 1, 2).astype(cd)  # [E, D, I]
-        w3 = jnp.swapaxes(ex.w3.weight[...], 1, 2).astype(cd)
+        w1 = jnp.swapaxes(ex.w1.values(cd), 1, 2)  # [E, D, I]
+        w3 = jnp.swapaxes(ex.w3.values(cd), 1, 2)
         g = jax.lax.ragged_dot(xs, w1, sizes, **kw).astype(dt)
         u = jax.lax.ragged_dot(xs, w3, sizes, **kw).astype(dt)
         h = (w.reshape(-1)[order][:, None] * swiglu(g, u, self.limit)).astype(dt)
         ha, cd = self._aq(h)
-        y = jax.lax.ragged_dot(ha.astype(cd), jnp.swapaxes(ex.w2.weight[...], 1, 2).astype(cd), sizes, **kw).astype(dt)
+        y = jax.lax.ragged_dot(ha.astype(cd), jnp.swapaxes(ex.w2.values(cd), 1, 2), sizes, **kw).astype(dt)
         return jnp.zeros((T, y.shape[-1]), F32).at[tok].add(y.astype(F32))
 
     def routed_grouped(self, x, w, ids, chunk: int = 128):
@@ -180,17 +213,16 @@ class MoE(nnx.Module):
         xs = jnp.zeros((NC * c, D), cd).at[pidx].set(xa[order // k].astype(cd))
         ws = jnp.zeros((NC * c,), F32).at[pidx].set(w.reshape(-1)[order])
         chunk_expert = jnp.minimum(jnp.searchsorted(cend, jnp.arange(NC), side="right"), E - 1)
-        W1, W2, W3 = ex.w1.weight[...], ex.w2.weight[...], ex.w3.weight[...]
 
         def body(j, out):
             e = chunk_expert[j]
             xc = jax.lax.dynamic_slice_in_dim(xs, j * c, c)
             wc = jax.lax.dynamic_slice_in_dim(ws, j * c, c)
-            g = einsum("td,id->ti", xc, W1[e].astype(cd), preferred_element_type=F32).astype(dt)
-            u = einsum("td,id->ti", xc, W3[e].astype(cd), preferred_element_type=F32).astype(dt)
+            g = einsum("td,id->ti", xc, ex.w1.take(e, cd), preferred_element_type=F32).astype(dt)
+            u = einsum("td,id->ti", xc, ex.w3.take(e, cd), preferred_element_type=F32).astype(dt)
             h = (wc[:, None] * swiglu(g, u, self.limit)).astype(dt)
             ha, cd2 = self._aq(h)
-            y = einsum("ti,di->td", ha.astype(cd2), W2[e].astype(cd2), preferred_element_type=F32).astype(dt)
+            y = einsum("ti,di->td", ha.astype(cd2), ex.w2.take(e, cd2), preferred_element_type=F32).astype(dt)
             return jax.lax.dynamic_update_slice_in_dim(out, y, j * c, 0)
 
         out = jax.lax.fori_loop(0, cend[-1], body, jnp.zeros((NC * c, D), dt))

@@ -103,8 +103,16 @@ class _Local:
             return self.a.shape
 
     class _P:
+        int8 = False
+
         def __init__(self, a):
             self.weight = _Local._W(a)
+
+        def values(self, dtype):
+            return self.weight.a.astype(dtype)
+
+        def take(self, ids, dtype):
+            return self.weight.a[ids].astype(dtype)
 
     class _E:
         pass
@@ -223,4 +231,8 @@ def routed(moe, x, w, ids, mesh=None):
     # device-varying: no replication typing for them (their psums are explicit anyway)
     fn = shard_map(functools.partial(_local, moe, split, path), mesh=mesh, in_specs=in_specs,
                    out_specs=P(tok), check=path in ("gather", "dense"))
-    return fn(x, w.astype(F32), ids.astype(jnp.int32), ex.w1.weight[...], ex.w3.weight[...], ex.w2.weight[...])
+    if ex.w1.int8:  # int8 experts: each shard would best dequantize its own; correct but a full copy here
+        ws = tuple(getattr(ex, n).values(moe.numerics.dtype) for n in ("w1", "w3", "w2"))
+    else:
+        ws = (ex.w1.weight[...], ex.w3.weight[...], ex.w2.weight[...])
+    return fn(x, w.astype(F32), ids.astype(jnp.int32), *ws)
