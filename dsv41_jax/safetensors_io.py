@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-from typing import Iterator, Mapping
 
 import ml_dtypes
 import numpy as np

@@ -29,7 +29,6 @@ never trigger a recompilation. :meth:`SamplingParams.make` checks values on the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp

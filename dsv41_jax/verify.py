@@ -304,8 +304,6 @@ def _run_case(case_dir: str, only: tuple[str, ...], weights: str | None, mesh,
             for k in VISION_ARRAYS:
                 if k in vis_cap:
                     check(k, "vision", np.asarray(vis_cap[k], np.float32))
-    elif "vision" in only:
-        pass
 
     if "prefill" in only:
         logits, cap = _captured_forward(model, jids, inputs_embeds=embeds, image_mask=jmask,

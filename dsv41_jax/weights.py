@@ -8,10 +8,9 @@ is exact and strict: every model parameter must be found, every checkpoint tenso
 """
 from __future__ import annotations
 
-import json
 import os
 import re
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable
 
 import numpy as np
 from flax import nnx
@@ -218,7 +217,6 @@ def load_original(directory: str, numerics, *, text_only: bool = False, config=N
                  if not n.endswith(".scale") or _RAW_RE.search(n) or (experts_int8 and _EXPERT_TENSOR_RE.search(n))]
     if cfg.vision is None or text_only:
         available = [n for n in available if not _VISION_RE.match(n)]
-    used_scales = set()
 
     def get(name):
         if experts_int8 and _EXPERT_TENSOR_RE.search(name):

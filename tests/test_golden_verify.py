@@ -34,7 +34,6 @@ def test_expected_cases_present():
 
 def test_cli_exit_status(tmp_path, capsys):
     # a case whose reference disagrees must fail with exit status 1 and a FAIL line
-    import json
     import shutil
 
     import numpy as np

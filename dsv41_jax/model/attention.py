@@ -222,7 +222,7 @@ class Attention(nnx.Module):
         lw = einsum("bshd,bsjd->bshj", qf, kw.astype(F32)) if kw.ndim == 4 else \
             einsum("bshd,bjd->bshj", qf, kw.astype(F32))
         lw = jnp.where(kw_ok[:, :, None, :], lw * scale, NEG_INF)
-        parts, vals = [lw], [kw]
+        parts = [lw]
         if kc is not None:
             lc = einsum("bshd,bskd->bshk", qf, kc.astype(F32))
             lc = jnp.where(kc_ok[:, :, None, :], lc * scale, NEG_INF)

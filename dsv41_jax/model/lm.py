@@ -2,7 +2,6 @@
 collapse with the last FFN pre-mix -> final norm -> fp32 logits."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
