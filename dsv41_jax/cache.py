@@ -38,9 +38,3 @@ def init_cache(cfg: TextConfig, batch: int, max_len: int, dtype) -> dict:
         "engram_hist": jnp.full((batch, lb), -1, jnp.int32),
     }
 
-
-def cache_capacity(cache) -> int:
-    for c in cache["layers"]:
-        if "cmp_kv" in c:
-            return c["cmp_kv"].shape[1]
-    return 0

@@ -219,8 +219,7 @@ class Attention(nnx.Module):
         dt = self.numerics.dtype
         scale = self.head_dim ** -0.5
         qf = q.astype(F32)
-        lw = einsum("bshd,bsjd->bshj", qf, kw.astype(F32)) if kw.ndim == 4 else \
-            einsum("bshd,bjd->bshj", qf, kw.astype(F32))
+        lw = einsum("bshd,bjd->bshj", qf, kw.astype(F32))
         lw = jnp.where(kw_ok[:, :, None, :], lw * scale, NEG_INF)
         parts = [lw]
         if kc is not None:

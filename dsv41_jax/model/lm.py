@@ -80,7 +80,7 @@ class DeepseekV41(nnx.Module):
         for l, layer in enumerate(self.layers):
             if teacher is not None and l in teacher:
                 h, pre = teacher[l]
-                h = jnp.asarray(h, h.dtype if hasattr(h, "dtype") else F32).astype(self.numerics.dtype)
+                h = jnp.asarray(h).astype(self.numerics.dtype)
                 pre = jnp.asarray(pre, F32)
             cap = None
             if capture is not None:
