@@ -35,11 +35,18 @@ from dsv41_jax.config import parse_config, preset  # noqa: E402
 from dsv41_jax.numerics import Numerics  # noqa: E402
 
 RESULTS = []
+TAG = ""
 
 
 def emit(**kw):
+    if TAG:
+        kw["tag"] = TAG
     RESULTS.append(kw)
     print(json.dumps(kw), flush=True)
+    out = os.environ.get("OUT")
+    if out:  # incremental copy: survives a time-out of the call
+        with open(os.path.join(out, "bench_slice.jsonl"), "a") as f:
+            f.write(json.dumps(kw) + "\n")
 
 
 def bench(fn, *args, warmup=2, iters=5):
@@ -59,13 +66,15 @@ def bench(fn, *args, warmup=2, iters=5):
 def ceilings():
     x = jnp.ones((1 << 30) // 2, jnp.bfloat16)  # 1 GiB
     f = jax.jit(lambda a: a * 2)
-    t, _ = bench(f, x)
-    emit(what="ceiling_copy", bytes=2 * x.nbytes, seconds=t, tb_per_s=2 * x.nbytes / t / 1e12)
+    t, _ = bench(f, x, warmup=5, iters=20)
+    copy = 2 * x.nbytes / t / 1e12
+    emit(what="ceiling_copy", bytes=2 * x.nbytes, seconds=t, tb_per_s=copy)
     a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
     g = jax.jit(lambda a, b: a @ b)
     t, _ = bench(g, a, a)
     emit(what="ceiling_bf16_matmul", flops=2 * 8192 ** 3, seconds=t, tflop_per_s=2 * 8192 ** 3 / t / 1e12)
     del x, a
+    return copy, 2 * 8192 ** 3 / t / 1e12
 
 
 def slice_config(n_layers: int, small: bool, engram_rows: int):
@@ -95,11 +104,14 @@ def slice_config(n_layers: int, small: bool, engram_rows: int):
     return parse_config(d)
 
 
-def random_model(cfg, numerics, seed=0):
-    """Build the model abstractly and materialise every leaf with random values on the device."""
+def random_model(cfg, numerics, seed=0, **model_kw):
+    """Build the model abstractly and materialise every leaf with random values on the device.
+
+    ``model_kw`` go to ``DeepseekV41`` (e.g. ``experts_int8=True``: int8 codes in -12..12 = twice
+    the e2m1 values, ue8m0 scale bytes 110..124)."""
     from dsv41_jax.model.lm import DeepseekV41
 
-    abstract = nnx.eval_shape(lambda: DeepseekV41(cfg, numerics, engram_quantized=True))
+    abstract = nnx.eval_shape(lambda: DeepseekV41(cfg, numerics, engram_quantized=True, **model_kw))
     graphdef, state = nnx.split(abstract)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     key = jax.random.key(seed)
@@ -110,6 +122,10 @@ def random_model(cfg, numerics, seed=0):
             return jax.random.randint(k, shp, 110, 125).astype(jnp.uint8)
         if dt == jnp.int32:
             return jax.random.randint(k, shp, 0, 1000).astype(jnp.int32)
+        if dt == jnp.int8:
+            return jax.random.randint(k, shp, -12, 13).astype(jnp.int8)
+        if dt == jnp.float8_e4m3fn:
+            return jax.random.normal(k, shp, jnp.float32).astype(dt)
         return (0.05 * jax.random.normal(k, shp, jnp.float32)).astype(dt)
 
     out = [init(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype)) for i, leaf in enumerate(leaves)]
@@ -124,12 +140,135 @@ def random_model(cfg, numerics, seed=0):
     return model
 
 
+# Linears the V4.1 release stores fp8 (with a ``.scale``): in reference numerics their inputs go
+# through the per-32 fp8 activation quantization, as after a real checkpoint load (weights.py)
+RELEASE_FP8 = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b", "engram.wkv")
+
+
+def mark_release_quantized(model):
+    for layer in model.layers:
+        for name in RELEASE_FP8:
+            mod = layer
+            for part in name.split("."):
+                mod = getattr(mod, part, None)
+                if mod is None:
+                    break
+            if mod is not None:
+                mod.quantized = True
+        layer.ffn.experts.quantized = True
+
+
+def _leaves_by_path(model):
+    st = nnx.state(model, nnx.Param)
+    out = {}
+    for p, leaf in jax.tree_util.tree_flatten_with_path(st)[0]:
+        key = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in p).replace("..value", "")
+        out[key] = leaf
+    return out
+
+
+def decode_bytes(model, cfg, B: int, ctx: int) -> dict:
+    """Bytes one decode step must read (the roofline numerator), by part.
+
+    Weights: every layer parameter except the routed experts and the Engram table; of the
+    routed experts the expected number of distinct experts B tokens select (uniform routing:
+    E * (1 - (1 - k/E)^B)); the head. Caches: the window ring, the top-k compressed entries
+    gathered per token, all index keys an index source scores. Engram: the table rows the
+    tokens hash to. Activations are ignored (KBs)."""
+    t = cfg.text
+    E, k = t.n_routed_experts, t.num_experts_per_tok
+    leaves = _leaves_by_path(model)
+    parts = {"attention+mhc+norms": 0, "routed_experts": 0, "shared_expert+gate": 0, "engram_proj": 0,
+             "engram_rows": 0, "head": 0, "caches": 0}
+    distinct = E * (1 - (1 - k / E) ** B)
+    for key, leaf in leaves.items():
+        if not key.startswith("layers."):
+            if key.startswith("head."):
+                parts["head"] += leaf.nbytes
+            continue
+        if ".ffn.experts." in key:
+            parts["routed_experts"] += leaf.nbytes / E * distinct
+        elif ".ffn." in key:
+            parts["shared_expert+gate"] += leaf.nbytes
+        elif ".engram.embed." in key:
+            row = leaf.nbytes / leaf.shape[0]
+            parts["engram_rows"] += B * t.engram_cols * row
+        elif ".engram." in key:
+            parts["engram_proj"] += leaf.nbytes
+        else:
+            parts["attention+mhc+norms"] += leaf.nbytes
+    esz = jnp.dtype(model.numerics.dtype).itemsize
+    for p in t.layers:
+        parts["caches"] += B * t.sliding_window * t.head_dim * (esz + 4 / t.head_dim)
+        if p.ratio > 0:
+            parts["caches"] += B * min(t.index_topk, ctx // p.ratio) * t.head_dim * esz
+        if p.owns_indexer:
+            parts["caches"] += B * (ctx // p.ratio) * t.index_head_dim * esz
+    parts = {kk: float(v) for kk, v in parts.items()}
+    parts["total"] = float(sum(parts.values()))
+    return parts
+
+
+def bench_breakdown(model, cfg, B, ctx, copy_tb_s):
+    """Time the pieces of a decode step in isolation (batch B): each layer's attention (with its
+    cache at ``ctx`` tokens), each layer's MoE, the Engram layer, one mHC site, the head."""
+    from dsv41_jax.model.mhc import hc_mixes, hc_post, hc_pre
+
+    t = cfg.text
+    D, n = t.hidden_size, t.hc_mult
+    x = (0.1 * jax.random.normal(jax.random.key(3), (B, 1, D), jnp.float32)).astype(model.numerics.dtype)
+    pos = jnp.full((B, 1), ctx, jnp.int32)
+    valid = jnp.ones((B, 1), bool)
+    cache = model.init_cache(B, ctx + 64)
+
+    def run(name, module, fn, *args, nbytes=None):
+        g, st = nnx.split(module)
+        f = jax.jit(lambda st, *a: fn(nnx.merge(g, st), *a))
+        try:
+            sec, _ = bench(f, st, *args, iters=10)
+            row = dict(what="decode_part", part=name, batch=B, seconds=sec)
+            if nbytes:
+                row.update(bytes=nbytes, roofline_s=nbytes / (copy_tb_s * 1e12), tb_per_s=nbytes / sec / 1e12)
+            emit(**row)
+        except Exception as e:
+            emit(what="decode_part", part=name, batch=B, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+    def nbytes(module):
+        return sum(v.nbytes for v in jax.tree_util.tree_leaves(nnx.state(module, nnx.Param)))
+
+    E, k = t.n_routed_experts, t.num_experts_per_tok
+    distinct = E * (1 - (1 - k / E) ** B)
+    for l, layer in enumerate(model.layers):
+        run(f"attn_L{l}_ratio{layer.plan.ratio}", layer.attn,
+            lambda m, c: m(x, pos, valid, c, {})[0], cache["layers"][l], nbytes=nbytes(layer.attn))
+        ex = layer.ffn.experts
+        moe_b = nbytes(layer.ffn) - nbytes(ex) + nbytes(ex) / E * distinct
+        run(f"moe_L{l}", layer.ffn, lambda m: m(x), nbytes=moe_b)
+        if layer.engram is not None:
+            h = jnp.broadcast_to(x[:, :, None], (B, 1, n, D))
+            rows = layer.engram.embed.weight.get_value().shape[0]
+            hashes = jax.random.randint(jax.random.key(4), (B, 1, t.engram_cols), 0, rows)
+            eb = nbytes(layer.engram.wkv) + B * t.engram_cols * (layer.engram.embed.dim + layer.engram.embed.dim // 32)
+            run(f"engram_L{l}", layer.engram, lambda m, hh, hs: m(hh, hs), h, hashes, nbytes=eb)
+    layer = model.layers[0]
+    h = jnp.broadcast_to(x[:, :, None], (B, 1, n, D))
+    pre = jnp.full((B, 1, n), 1.0 / n, jnp.float32)
+
+    def mhc_site(m, hh, pr):
+        p2, post, comb = hc_mixes(hh, m.hc_attn_fn[...], m.hc_attn_scale[...], m.hc_attn_base[...], **m._hc())
+        y = m.attn_norm(hc_pre(hh, pr))
+        return hc_post(y, hh, post, comb), p2
+
+    run("mhc_site(x2 per layer)", layer, mhc_site, h, pre)
+    run("head", model, lambda m, y: m.logits(y), x, nbytes=model.head.weight.get_value().nbytes)
+
+
 def param_bytes(model):
     st = nnx.state(model, nnx.Param)
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(st))
 
 
-def bench_decode(model, cfg, batches, ctx, moe_path="auto", tag="engram_table_on_device"):
+def bench_decode(model, cfg, batches, ctx, moe_path="auto", tag="engram_table_on_device", copy_tb_s=None):
     from dsv41_jax.generate import _forward, _split
 
     graphdef, state = _split(model)
@@ -143,24 +282,57 @@ def bench_decode(model, cfg, batches, ctx, moe_path="auto", tag="engram_table_on
             ids = jnp.ones((B, 1), jnp.int32)
             valid = jnp.ones((B, 1), bool)
             t0 = time.perf_counter()
-            lg, cache = fn(state, cache, ids, valid, None, None, None)
+            lowered = fn.lower(state, cache, ids, valid, None, None, None)
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+            t2 = time.perf_counter()
+            lg, cache = compiled(state, cache, ids, valid, None, None, None)
             jax.block_until_ready(lg)
-            compile_s = time.perf_counter() - t0
+            first_run = time.perf_counter() - t2
             ts = []
-            for _ in range(5):
-                t1 = time.perf_counter()
-                lg, cache = fn(state, cache, ids, valid, None, None, None)
+            for _ in range(7):
+                t3 = time.perf_counter()
+                lg, cache = compiled(state, cache, ids, valid, None, None, None)
                 jax.block_until_ready(lg)
-                ts.append(time.perf_counter() - t1)
+                ts.append(time.perf_counter() - t3)
             step = float(np.median(ts))
-            emit(what="decode_step", batch=B, ctx=ctx, layers=t.num_hidden_layers, moe_path=moe_path, engram=tag, seconds=step,
-                 first_call_s=compile_s, tokens_per_s=B / step)
-            del cache
+            row = dict(what="decode_step", batch=B, ctx=ctx, layers=t.num_hidden_layers, moe_path=moe_path,
+                       kernels=os.environ.get("DSV41_KERNELS", "xla"), engram=tag, seconds=step,
+                       lower_s=t1 - t0, compile_s=t2 - t1, first_run_s=first_run, tokens_per_s=B / step)
+            if copy_tb_s:
+                nb = decode_bytes(model, cfg, B, ctx)
+                row.update(bytes=nb["total"], roofline_s=nb["total"] / (copy_tb_s * 1e12),
+                           roofline_frac=nb["total"] / (copy_tb_s * 1e12) / step)
+            emit(**row)
+            del cache, compiled
         except Exception as e:  # report and continue (OOM etc.)
-            emit(what="decode_step", batch=B, error=f"{type(e).__name__}: {str(e)[:300]}")
+            emit(what="decode_step", batch=B, moe_path=moe_path, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-def bench_prefill(model, cfg, lengths):
+def prefill_flops(model, cfg, S: int) -> float:
+    """Matmul FLOPs of a prefill of S tokens (2 per multiply-add): every dense layer weight once
+    per token, k routed experts per token, attention over min(W, pos) window keys + min(top-k,
+    pos/ratio) entries (q.k and p.v), the indexer over pos/ratio index keys, the head once."""
+    t = cfg.text
+    leaves = _leaves_by_path(model)
+    dense = sum(int(np.prod(v.shape)) for kk, v in leaves.items()
+                if kk.startswith("layers.") and v.ndim == 2 and ".experts." not in kk and ".embed." not in kk
+                and ".hc_" not in kk)
+    routed = t.num_experts_per_tok * 3 * t.moe_intermediate_size * t.hidden_size * t.num_hidden_layers
+    mhc = sum(int(np.prod(v.shape)) for kk, v in leaves.items() if ".hc_" in kk and v.ndim == 2)
+    pos = np.arange(S)
+    att = 0.0
+    for p in t.layers:
+        keys = np.minimum(pos + 1, t.sliding_window).sum()
+        if p.ratio > 0:
+            keys += np.minimum((pos + 1) // p.ratio, t.index_topk).sum()
+        att += 4.0 * t.num_attention_heads * t.head_dim * keys
+        if p.owns_indexer:
+            att += 2.0 * t.index_n_heads * t.index_head_dim * ((pos + 1) // p.ratio).sum()
+    return 2.0 * S * (dense + routed + mhc) + att + 2.0 * t.vocab_size * t.hidden_size
+
+
+def bench_prefill(model, cfg, lengths, mm_tflop_s=None):
     from dsv41_jax.generate import _jitted, _split
 
     graphdef, state = _split(model)
@@ -170,17 +342,25 @@ def bench_prefill(model, cfg, lengths):
             cache = model.init_cache(1, S)
             ids = jax.random.randint(jax.random.key(1), (1, S), 0, cfg.text.vocab_size).astype(jnp.int32)
             valid = jnp.ones((1, S), bool)
+            last = jnp.full((1,), S - 1, jnp.int32)  # logits at the last position only, as generate does
             t0 = time.perf_counter()
-            lg, _ = fn(state, cache, ids, valid, None, None, None)
+            lg, _ = fn(state, cache, ids, valid, None, None, None, last)
             jax.block_until_ready(lg)
             first = time.perf_counter() - t0
-            cache = model.init_cache(1, S)
-            t1 = time.perf_counter()
-            lg, _ = fn(state, cache, ids, valid, None, None, None)
-            jax.block_until_ready(lg)
-            run = time.perf_counter() - t1
-            emit(what="prefill", tokens=S, layers=cfg.text.num_hidden_layers, seconds=run, first_call_s=first,
-                 tokens_per_s=S / run)
+            ts = []
+            for _ in range(3):
+                cache = model.init_cache(1, S)
+                t1 = time.perf_counter()
+                lg, _ = fn(state, cache, ids, valid, None, None, None, last)
+                jax.block_until_ready(lg)
+                ts.append(time.perf_counter() - t1)
+            run = float(np.median(ts))
+            fl = prefill_flops(model, cfg, S)
+            row = dict(what="prefill", tokens=S, layers=cfg.text.num_hidden_layers, seconds=run, first_call_s=first,
+                       tokens_per_s=S / run, flops=fl, kernels=os.environ.get("DSV41_KERNELS", "xla"))
+            if mm_tflop_s:
+                row.update(mfu=fl / run / (mm_tflop_s * 1e12))
+            emit(**row)
         except Exception as e:
             emit(what="prefill", tokens=S, error=f"{type(e).__name__}: {str(e)[:300]}")
 
@@ -208,26 +388,37 @@ def bench_vit(model, cfg, tokens):
         emit(what="vit", error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-def bench_compile_full(numerics):
-    """Compile (not run) one decode step of the full 40-layer V4.1-Flash config from abstract weights."""
+def bench_compile_full(numerics, shapes, experts_int8=False):
+    """Compile (not run) the full 40-layer V4.1-Flash config from abstract weights, for each
+    ("decode", batch) / ("prefill", tokens) in ``shapes``."""
     from dsv41_jax.cache import init_cache
     from dsv41_jax.generate import _forward
     from dsv41_jax.model.lm import DeepseekV41
-    import functools
 
     cfg = preset("v41-flash")
     t0 = time.perf_counter()
-    abstract = nnx.eval_shape(lambda: DeepseekV41(cfg, numerics, engram_quantized=True, text_only=True))
+    abstract = nnx.eval_shape(lambda: DeepseekV41(cfg, numerics, engram_quantized=True, text_only=True,
+                                                  experts_int8=experts_int8))
     graphdef, state = nnx.split(abstract)
-    cache = jax.eval_shape(lambda: init_cache(cfg.text, 1, 4096, numerics.dtype))
-    ids = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    valid = jax.ShapeDtypeStruct((1, 1), jnp.bool_)
-    lowered = jax.jit(functools.partial(_forward, graphdef)).lower(state, cache, ids, valid, None, None, None)
-    t_lower = time.perf_counter() - t0
-    compiled = lowered.compile()
-    t_comp = time.perf_counter() - t0 - t_lower
-    emit(what="compile_full_40_layers_decode", trace_lower_s=t_lower, compile_s=t_comp)
-    del compiled
+    t_build = time.perf_counter() - t0
+    for kind, n in shapes:
+        B, S, cap = (n, 1, 4096) if kind == "decode" else (1, n, n)
+        try:
+            t0 = time.perf_counter()
+            cache = jax.eval_shape(lambda: init_cache(cfg.text, B, cap, numerics.dtype))
+            ids = jax.ShapeDtypeStruct((B, S), jnp.int32)
+            valid = jax.ShapeDtypeStruct((B, S), jnp.bool_)
+            la = None if kind == "decode" else jax.ShapeDtypeStruct((B,), jnp.int32)
+            lowered = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,)).lower(
+                state, cache, ids, valid, None, None, None, la)
+            t_lower = time.perf_counter() - t0
+            compiled = lowered.compile()
+            t_comp = time.perf_counter() - t0 - t_lower
+            emit(what="compile_full_40_layers", kind=kind, batch=B, tokens=S, experts_int8=experts_int8,
+                 build_abstract_s=t_build, trace_lower_s=t_lower, compile_s=t_comp)
+            del compiled
+        except Exception as e:
+            emit(what="compile_full_40_layers", kind=kind, batch=B, tokens=S, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def main():
@@ -238,31 +429,47 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prefill", default="2048,8192")
     ap.add_argument("--engram-rows", type=int, default=80_000_000)
-    ap.add_argument("--skip", default="")
+    ap.add_argument("--skip", default="", help="comma list of: ceil,compile,decode,engram_host,prefill,vit")
     ap.add_argument("--moe-paths", default="", help="also time decode with these forced MoE paths")
+    ap.add_argument("--experts", default="bf16", choices=["bf16", "int8"], help="routed expert storage")
+    ap.add_argument("--kernels", default=None, choices=["xla", "pallas"], help="sets DSV41_KERNELS")
+    ap.add_argument("--breakdown", default="", help="batches for the per-part decode breakdown, e.g. 1,64")
+    ap.add_argument("--no-release-quant", action="store_true",
+                    help="do not mark the release's fp8/fp4 linears quantized (no activation fake-quant)")
+    ap.add_argument("--compile-shapes", default="decode:1,decode:64,prefill:8192",
+                    help="full 40-layer compiles to time: decode:BATCH / prefill:TOKENS")
+    ap.add_argument("--compile-last", action="store_true", help="time the full-config compiles at the end")
+    ap.add_argument("--tag", default="", help="free text copied into every result row")
     a = ap.parse_args()
+    if a.kernels:
+        os.environ["DSV41_KERNELS"] = a.kernels
+    if a.tag:
+        global TAG
+        TAG = a.tag
     skip = set(a.skip.split(","))
     jax.config.update("jax_default_matmul_precision", "default")
-    emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()])
-    if "ceil" not in skip:
-        ceilings()
+    emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
+    copy_tb_s, mm_tflop_s = ceilings() if "ceil" not in skip else (None, None)
     numerics = Numerics("bfloat16", "reference")
-    if "compile" not in skip:
-        try:
-            bench_compile_full(numerics)
-        except Exception as e:
-            emit(what="compile_full_40_layers_decode", error=f"{type(e).__name__}: {str(e)[:300]}")
+    compile_shapes = [(k, int(n)) for k, n in (x.split(":") for x in a.compile_shapes.split(",") if x)]
+    if "compile" not in skip and not a.compile_last:
+        bench_compile_full(numerics, compile_shapes, a.experts == "int8")
     cfg = slice_config(a.layers, a.small, a.engram_rows)
     t0 = time.perf_counter()
-    model = random_model(cfg, numerics)
+    model = random_model(cfg, numerics, experts_int8=a.experts == "int8")
+    if not a.no_release_quant:
+        mark_release_quantized(model)
     jax.block_until_ready(nnx.state(model))
     emit(what="build", layers=a.layers, param_gb=param_bytes(model) / 1e9, seconds=time.perf_counter() - t0,
-         engram_rows=cfg.text.engram_num_embeddings)
+         engram_rows=cfg.text.engram_num_embeddings, experts=a.experts)
+    batches = [int(b) for b in a.batches.split(",")] if a.batches else []
+    for B in [int(b) for b in a.breakdown.split(",") if b]:
+        bench_breakdown(model, cfg, B, a.ctx, copy_tb_s or 2.4)
     if "decode" not in skip:
-        bench_decode(model, cfg, [int(b) for b in a.batches.split(",")], a.ctx)
+        bench_decode(model, cfg, batches, a.ctx, copy_tb_s=copy_tb_s)
         if a.moe_paths:
             for pth in a.moe_paths.split(","):
-                bench_decode(model, cfg, [int(b) for b in a.batches.split(",")], a.ctx, moe_path=pth)
+                bench_decode(model, cfg, batches, a.ctx, moe_path=pth, copy_tb_s=copy_tb_s)
             os.environ["DSV41_MOE_PATH"] = "auto"
     if "engram_host" not in skip and "decode" not in skip:
         from dsv41_jax.model.engram import offload_engram_tables
@@ -270,12 +477,14 @@ def main():
         t0 = time.perf_counter()
         moved = offload_engram_tables(model)
         emit(what="engram_offload", bytes=moved, seconds=time.perf_counter() - t0)
-        bench_decode(model, cfg, [int(b) for b in a.batches.split(",")], a.ctx, moe_path="auto",
-                     tag="engram_table_on_host")
+        bench_decode(model, cfg, batches, a.ctx, moe_path="auto", tag="engram_table_on_host")
     if "prefill" not in skip:
-        bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")])
+        bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
     if "vit" not in skip and model.vision is not None:
         bench_vit(model, cfg, 1024 if not a.small else 64)
+    if "compile" not in skip and a.compile_last:
+        del model
+        bench_compile_full(numerics, compile_shapes, a.experts == "int8")
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "bench_slice.json"), "w") as f:
