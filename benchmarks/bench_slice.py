@@ -142,7 +142,8 @@ def random_model(cfg, numerics, seed=0, **model_kw):
 
 # Linears the V4.1 release stores fp8 (with a ``.scale``): in reference numerics their inputs go
 # through the per-32 fp8 activation quantization, as after a real checkpoint load (weights.py)
-RELEASE_FP8 = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b", "engram.wkv")
+RELEASE_FP8 = ("attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_b", "attn.indexer.wq_b", "engram.wkv",
+               "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
 
 
 def mark_release_quantized(model):
