@@ -279,17 +279,20 @@ def _is_original(path: str) -> bool:
 
 
 def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numerics: str = "reference",
-         text_only: bool = False, tokenizer: bool = True, experts_int8: bool = False) -> DeepseekVL:
+         text_only: bool = False, tokenizer: bool = True, experts_int8: bool = False,
+         vit_attention: str = "fp32") -> DeepseekVL:
     """Load a converted Orbax checkpoint (``dsv41-jax convert``) or an original-format DeepSeek
     checkpoint directory. ``mesh``: a ``jax.sharding.Mesh`` or "D,E,T" spec to shard onto.
     ``dtype``: compute dtype ("bfloat16" or "float32"); ``numerics``: "reference" (the official
     fake-quant points) or "fast"; ``experts_int8``: keep fp4 routed experts quantized in device
-    memory (original fp4 checkpoints, or Orbax ones converted with ``--experts int8``)."""
+    memory (original fp4 checkpoints, or Orbax ones converted with ``--experts int8``);
+    ``vit_attention``: "fp32" (the vision tower's parity path) or "bf16" (its performance mode:
+    bf16 attention and GEMMs with fp32 accumulation, cuDNN flash attention on GPU; docs/vision.md)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise LoadError(f"{path}: not a directory (expected a checkpoint directory)")
     enable_compilation_cache()
-    num = Numerics(dtype, numerics)
+    num = Numerics(dtype, numerics, vit_attention)
     cfg = ModelConfig.from_file(path)
     if isinstance(mesh, str):
         from dsv41_jax.sharding import mesh_from_spec

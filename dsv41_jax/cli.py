@@ -58,7 +58,8 @@ def cmd_verify(a) -> int:
 def _load(a):
     import dsv41_jax
 
-    return dsv41_jax.load(a.model, mesh=a.mesh, dtype=a.dtype, numerics=a.numerics, experts_int8=a.experts_int8)
+    return dsv41_jax.load(a.model, mesh=a.mesh, dtype=a.dtype, numerics=a.numerics, experts_int8=a.experts_int8,
+                          vit_attention=a.vit_attention)
 
 
 def cmd_generate(a) -> int:
@@ -166,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reference: the official fake-quant points; fast: without them")
     s.add_argument("--experts-int8", action="store_true",
                    help="keep fp4 routed experts quantized in device memory (fp4 checkpoints or --experts int8 conversions)")
+    s.add_argument("--vit-attention", default="fp32", choices=["fp32", "bf16"],
+                   help="vision tower: fp32 attention (parity path) or bf16 (performance mode, docs/vision.md)")
     s.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     s.add_argument("-v", "--verbose", action="store_true", help="print tokens, image spans and timings")
     s.set_defaults(fn=cmd_generate)

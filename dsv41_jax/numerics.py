@@ -4,6 +4,11 @@
 GEMM. ``reference``: the official code's QAT points (fp8 window KV, fp4 compressed KV, fp4
 indexer q/k) and, for weights stored fp8/fp4 in the checkpoint, the fp8 per-32 activation
 quantization before the GEMM.
+
+``vision_attention`` selects the ViT's attention/GEMM path (docs/vision.md): ``"fp32"`` (default,
+the parity path: q, k, v upcast to fp32 as the reference's math SDPA) or ``"bf16"`` (performance
+mode: bf16 q/k/v into ``jax.nn.dot_product_attention`` with fp32 softmax and accumulation, cuDNN
+flash attention on NVIDIA GPUs, and bf16-output GEMMs). The text model ignores it.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+VISION_ATTENTION = ("fp32", "bf16")
 _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
@@ -18,12 +24,15 @@ _DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16
 class Numerics:
     compute_dtype: str = "bfloat16"  # activation dtype between ops ("float32" or "bfloat16")
     mode: str = "reference"  # "reference" or "fast"
+    vision_attention: str = "fp32"  # ViT path: "fp32" (parity) or "bf16" (performance mode)
 
     def __post_init__(self):
         if self.compute_dtype not in _DTYPES:
             raise ValueError(f"numerics: compute_dtype {self.compute_dtype!r} not in {sorted(_DTYPES)}")
         if self.mode not in ("reference", "fast"):
             raise ValueError(f"numerics: mode {self.mode!r} must be 'reference' or 'fast'")
+        if self.vision_attention not in VISION_ATTENTION:
+            raise ValueError(f"numerics: vision_attention {self.vision_attention!r} must be one of {VISION_ATTENTION}")
 
     @property
     def dtype(self):

@@ -12,11 +12,17 @@ not change any real output. Images with the same bucket run in one jitted call.
 Dtype flow (docs/vision.md): every Linear accumulates in fp32 and rounds once to the compute
 dtype (bias included); norms, RoPE, softmax, SiLU and GELU compute in fp32 and round once;
 the attention upcasts q, k, v to fp32 (torch's math SDPA) and rounds its output once.
+
+Performance mode (``Numerics.vision_attention == "bf16"``, docs/vision.md): bf16 q, k, v go into
+``jax.nn.dot_product_attention`` (fp32 logits, softmax and accumulation; cuDNN flash attention on
+NVIDIA GPUs, XLA elsewhere) with the padded keys excluded by ``key_value_seq_lengths``, and each
+GEMM writes bf16 directly (fp32 accumulation, then the bias added in fp32 and rounded again).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -32,9 +38,30 @@ from dsv41_jax.numerics import Numerics
 from dsv41_jax.processor import ProcessedImage
 
 
-def _linear(lin: Linear, x, cd):
-    """One GEMM in the compute dtype with fp32 accumulation, bias added in fp32, rounded once."""
-    return lin(x, out_dtype=F32, compute_dtype=cd).astype(cd)
+_GEMM_BF16_OUT: bool | None = None  # performance-mode GEMMs write bf16 themselves; None: on GPU only
+
+
+def _gemm_bf16_out() -> bool:
+    if _GEMM_BF16_OUT is not None:
+        return _GEMM_BF16_OUT
+    return jax.default_backend() in ("gpu", "cuda")
+
+
+def _linear(lin: Linear, x, cd, fast: bool = False):
+    """One GEMM in the compute dtype with fp32 accumulation, bias added in fp32, rounded once.
+
+    ``fast`` (performance mode, bf16 compute): the GEMM's fp32 accumulator is rounded to bf16
+    before the bias, which is then added in fp32 and rounded again. On GPU the GEMM writes bf16
+    itself (no fp32 [N, out] intermediate in memory); elsewhere it writes fp32 and is rounded by
+    the next op (the same values: XLA:CPU's bf16-output dot is a slow loop)."""
+    if not fast or cd != jnp.bfloat16 or (lin.quantized and lin.numerics.fake_quant):
+        return lin(x, out_dtype=F32, compute_dtype=cd).astype(cd)
+    w = lin.values() if getattr(lin, "fp8", False) else lin.weight[...]
+    out = cd if _gemm_bf16_out() else F32
+    y = jnp.einsum("...i,oi->...o", x.astype(cd), w.astype(cd), preferred_element_type=out).astype(cd)
+    if lin.bias is not None:
+        y = (y.astype(F32) + lin.bias[...].astype(F32)).astype(cd)
+    return y
 
 
 def rope_tables(rows, cols, rope_dim: int, theta: float):
@@ -77,6 +104,57 @@ def attention(q, k, v, key_mask, q_block: int = 0):
     return rows(qf)
 
 
+ATTENTION_IMPLS = ("fp32", "cudnn", "xla")
+_CUDNN_FAILED: list[str] = []  # set once a cuDNN attention failed to trace or compile here
+
+
+def attention_impl(vision_attention: str, backend: str | None = None) -> str:
+    """The ViT attention implementation for a ``Numerics.vision_attention`` value: "fp32" (parity
+    path), or for "bf16" "cudnn" on a GPU backend (unless it already failed here) else "xla"."""
+    if vision_attention == "fp32":
+        return "fp32"
+    if vision_attention != "bf16":
+        raise ValueError(f"vision_attention {vision_attention!r} must be 'fp32' or 'bf16'")
+    backend = jax.default_backend() if backend is None else backend
+    return "cudnn" if backend in ("gpu", "cuda") and not _CUDNN_FAILED else "xla"
+
+
+def _cudnn_failed(err: BaseException) -> None:
+    if not _CUDNN_FAILED:
+        warnings.warn(f"ViT bf16 attention: cuDNN unavailable ({type(err).__name__}: {str(err)[:200]}); "
+                      "using the XLA dot_product_attention instead", RuntimeWarning, stacklevel=3)
+    _CUDNN_FAILED.append(f"{type(err).__name__}: {err}")
+
+
+def attention_bf16(q, k, v, n_valid, impl: str = "xla", q_block: int = 0):
+    """Performance-mode attention: bf16 q, k, v [B, N, H, hd] -> bf16 [B, N, H, hd].
+
+    ``jax.nn.dot_product_attention`` with scale hd^-0.5 (the same product as the parity path's
+    two sqrt(hd^-0.5) factors; exact for a power-of-two hd), fp32 logits, softmax and
+    accumulation, P rounded to bf16 before P·V (as flash attention kernels do). Keys at index
+    >= n_valid[b] are excluded (``key_value_seq_lengths``; every query row stays computed, so the
+    padded rows stay finite). "cudnn": one fused flash-attention call (a cuDNN that refuses the
+    shapes falls back to "xla" with a warning); "xla": the same math in XLA, over query blocks of
+    ``q_block`` rows when that divides N (bounds the fp32 [B, H, q, N] logits).
+    """
+    b, n, h, d = q.shape
+    q, k, v = (t.astype(jnp.bfloat16) for t in (q, k, v))
+    kw = dict(scale=1.0 / math.sqrt(d), key_value_seq_lengths=n_valid.astype(jnp.int32))
+    if impl == "cudnn":
+        try:
+            return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
+        except (NotImplementedError, RuntimeError, ValueError, TypeError) as e:  # trace-time capability checks
+            _cudnn_failed(e)
+
+    def rows(qb):
+        return jax.nn.dot_product_attention(qb, k, v, implementation="xla", **kw)
+
+    if q_block and n > q_block and n % q_block == 0:
+        qs = jnp.moveaxis(q.reshape(b, n // q_block, q_block, h, d), 1, 0)
+        return jnp.moveaxis(jax.lax.map(rows, qs), 0, 1).reshape(b, n, h, d)
+    return rows(q)
+
+
 class PatchEmbed(nnx.Module):
     def __init__(self, cfg: VisionConfig, numerics: Numerics):
         self.proj = Linear(3 * cfg.patch_size ** 2, cfg.hidden_size, numerics=numerics, bias=True)
@@ -88,12 +166,17 @@ class Attention(nnx.Module):
         self.wqkv = Linear(cfg.hidden_size, 3 * cfg.hidden_size, numerics=numerics, bias=True)
         self.wo = Linear(cfg.hidden_size, cfg.hidden_size, numerics=numerics, bias=True)
 
-    def __call__(self, x, cos, sin, key_mask, cd, q_block: int = 0):
+    def __call__(self, x, cos, sin, key_mask, cd, q_block: int = 0, impl: str = "fp32", n_valid=None):
         b, n, _ = x.shape
-        qkv = _linear(self.wqkv, x, cd).reshape(b, n, 3, self.n_heads, self.head_dim)  # q | k | v chunks
+        fast = impl != "fp32"
+        qkv = _linear(self.wqkv, x, cd, fast).reshape(b, n, 3, self.n_heads, self.head_dim)  # q | k | v chunks
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        o = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, key_mask, q_block).astype(cd)
-        return _linear(self.wo, o.reshape(b, n, -1), cd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if fast:
+            o = attention_bf16(q, k, v, n_valid, impl, q_block).astype(cd)
+        else:
+            o = attention(q, k, v, key_mask, q_block).astype(cd)
+        return _linear(self.wo, o.reshape(b, n, -1), cd, fast)
 
 
 class MLP(nnx.Module):
@@ -101,10 +184,10 @@ class MLP(nnx.Module):
         self.w1 = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, numerics=numerics)
         self.w2 = Linear(cfg.intermediate_size, cfg.hidden_size, numerics=numerics)
 
-    def __call__(self, x, cd):
-        gate, up = jnp.split(_linear(self.w1, x, cd), 2, axis=-1)
+    def __call__(self, x, cd, fast: bool = False):
+        gate, up = jnp.split(_linear(self.w1, x, cd, fast), 2, axis=-1)
         act = jax.nn.silu(gate.astype(F32)).astype(cd)
-        return _linear(self.w2, (act.astype(F32) * up.astype(F32)).astype(cd), cd)
+        return _linear(self.w2, (act.astype(F32) * up.astype(F32)).astype(cd), cd, fast)
 
 
 class Block(nnx.Module):
@@ -114,9 +197,10 @@ class Block(nnx.Module):
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, numerics)
 
-    def __call__(self, x, cos, sin, key_mask, cd, q_block: int = 0):
-        x = (x.astype(F32) + self.attn(self.norm1(x), cos, sin, key_mask, cd, q_block).astype(F32)).astype(cd)
-        return (x.astype(F32) + self.mlp(self.norm2(x), cd).astype(F32)).astype(cd)
+    def __call__(self, x, cos, sin, key_mask, cd, q_block: int = 0, impl: str = "fp32", n_valid=None):
+        a = self.attn(self.norm1(x), cos, sin, key_mask, cd, q_block, impl, n_valid)
+        x = (x.astype(F32) + a.astype(F32)).astype(cd)
+        return (x.astype(F32) + self.mlp(self.norm2(x), cd, impl != "fp32").astype(F32)).astype(cd)
 
 
 class ViT(nnx.Module):
@@ -129,16 +213,20 @@ class ViT(nnx.Module):
         self.blocks = nnx.List([Block(cfg, numerics) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def __call__(self, patches, rows, cols, n_valid, q_block: int = 0):
+    def __call__(self, patches, rows, cols, n_valid, q_block: int = 0, impl: str | None = None):
         """rows/cols: [B, N] int32 patch grid position; n_valid: [B] real patches per image
-        (keys at index >= n_valid are masked)."""
+        (keys at index >= n_valid are masked). ``impl``: "fp32" (parity path), "cudnn" or "xla"
+        (performance mode, see ``attention_bf16``); default from ``numerics.vision_attention``."""
         cd = self.numerics.dtype
+        impl = attention_impl(self.numerics.vision_attention) if impl is None else impl
+        if impl not in ATTENTION_IMPLS:
+            raise ValueError(f"ViT: attention impl {impl!r} not in {ATTENTION_IMPLS}")
         b, n = patches.shape[:2]
-        x = _linear(self.patch_embed.proj, patches.reshape(b, n, -1).astype(cd), cd)
+        x = _linear(self.patch_embed.proj, patches.reshape(b, n, -1).astype(cd), cd, impl != "fp32")
         cos, sin = rope_tables(rows, cols, self.cfg.head_dim // 2, self.cfg.rope_theta)
         key_mask = jnp.arange(n)[None, :] < n_valid[:, None]
         for block in self.blocks:
-            x = block(x, cos, sin, key_mask, cd, q_block)
+            x = block(x, cos, sin, key_mask, cd, q_block, impl, n_valid)
         return self.norm(x)
 
 
@@ -176,6 +264,19 @@ def default_bucket(n: int) -> int:
     step = max(64, (1 << (n - 1).bit_length()) // 16)
     if n > 2048:
         step = max(step, 256)
+    return -(-n // step) * step
+
+
+def tight_bucket(n: int) -> int:
+    """The performance mode's default: steps of 1/32 of the power of two at or below ``n`` (at most
+    ~3% padding, e.g. 8649 -> 8704 where ``default_bucket`` gives 9216), at least 64, multiples of
+    128 above 2048. 32 shapes per octave (``default_bucket``: 16): padded rows cost GEMM and
+    attention FLOPs, and the fused attention needs no query blocking."""
+    if n <= 64:
+        return 64
+    step = max(64, (1 << (n.bit_length() - 1)) // 32)
+    if n > 2048:
+        step = max(step, 128)
     return -(-n // step) * step
 
 
@@ -243,9 +344,9 @@ def pack_images(images: Sequence[ProcessedImage], cfg: VisionConfig, *,
     return groups
 
 
-@nnx.jit(static_argnames=("q_block",))
-def _tower(vision, aligner, patches, rows, cols, n_valid, merge, q_block=0):
-    x = vision(patches, rows, cols, n_valid, q_block=q_block)
+@nnx.jit(static_argnames=("q_block", "impl"))
+def _tower(vision, aligner, patches, rows, cols, n_valid, merge, q_block=0, impl="fp32"):
+    x = vision(patches, rows, cols, n_valid, q_block=q_block, impl=impl)
     return x, aligner(x, merge)
 
 
@@ -268,7 +369,7 @@ def _rows_index(group_sizes, ids_of_group, pad):
 
 
 def encode_images(vision: ViT, aligner: Aligner, image_vectors: Any, images: Sequence[ProcessedImage],
-                  numerics: Numerics | None = None, *, bucket: Callable[[int], int] = default_bucket,
+                  numerics: Numerics | None = None, *, bucket: Callable[[int], int] | None = None,
                   mesh: jax.sharding.Mesh | None = None, axis: str | None = None, return_details: bool = False):
     """Run the vision tower + aligner on ``images`` and assemble their spans.
 
@@ -282,11 +383,20 @@ def encode_images(vision: ViT, aligner: Aligner, image_vectors: Any, images: Seq
     the mesh axis ``axis`` (default: the first) and sharded over it, so every device runs the same
     number of equally padded images; the weights are replicated (place them on the mesh yourself
     to avoid a per-call copy). The result equals the single-device result, in the same order.
+
+    Attention path: ``numerics.vision_attention`` when ``numerics`` is given, else the tower's
+    (set at build/load time): "fp32" (parity, default) or "bf16" (performance mode; see
+    ``attention_bf16``). ``bucket`` defaults to ``default_bucket`` for "fp32" and to
+    ``tight_bucket`` for "bf16".
     """
     cd = vision.numerics.dtype
     if numerics is not None and numerics.dtype != cd:
         raise ValueError(f"encode_images: numerics {numerics.compute_dtype} but the vision tower was built "
                          f"for {vision.numerics.compute_dtype}")
+    mode = (vision.numerics if numerics is None else numerics).vision_attention
+    impl = attention_impl(mode)
+    if bucket is None:
+        bucket = default_bucket if mode == "fp32" else tight_bucket
     vectors = image_vector_table(image_vectors, cd)
     if not images:
         empty = jnp.zeros((0, vectors.shape[-1]), cd)
@@ -301,8 +411,16 @@ def encode_images(vision: ViT, aligner: Aligner, image_vectors: Any, images: Seq
     groups = pack_images(images, vision.cfg, bucket=bucket, batch_multiple=n_dev)
     vit_blocks, al_blocks = [], []
     for g in groups:
-        x, a = _tower(vision, aligner, put(g.patches), put(g.rows), put(g.cols), put(g.n_valid), put(g.merge),
-                      q_block=_query_block(g.patches.shape[1]))
+        args = (put(g.patches), put(g.rows), put(g.cols), put(g.n_valid), put(g.merge))
+        q_block = _query_block(g.patches.shape[1])
+        try:
+            x, a = _tower(vision, aligner, *args, q_block=q_block, impl=impl)
+        except Exception as e:  # a cuDNN that traces but fails to build/run: XLA attention from now on
+            if impl != "cudnn" or "cudnn" not in f"{type(e).__name__} {e}".lower():
+                raise
+            _cudnn_failed(e)
+            impl = "xla"
+            x, a = _tower(vision, aligner, *args, q_block=q_block, impl=impl)
         vit_blocks.append(x.reshape(-1, x.shape[-1]))
         al_blocks.append(a.reshape(-1, a.shape[-1]))
     sizes = [g.patches.shape[0] for g in groups]
