@@ -234,3 +234,25 @@ def test_batch_with_different_lengths_matches_rows_alone(name, root):
             fails.append(f"row {b} (prompt {P[b]}): max_abs_rel {err:.3g}; first bad position "
                          f"{int(np.argmax(rows > TOL))}")
     assert not fails, f"{name} (seed {r.seed}):\n" + "\n".join(fails)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_query_blocked_prefill_equals_unblocked(name, root):
+    """Long chunks run attention and the indexer/top-k in query blocks (``Attention.q_block``):
+    with a block of 4 (the window), a 32-token prefill runs 8 blocks and must equal the one-shot
+    unblocked prefill (default block 256), logits at every position."""
+    from flax import nnx
+
+    r = _runner(name, root)
+    n = 32
+    assert n % 4 == 0 and n > 2 * max(4, r.t["sliding_window"])
+    want = r.run([0, 1], [n])
+    blocked = nnx.clone(r.model)
+    for layer in blocked.layers:
+        layer.attn.q_block = 4
+    model, r.model = r.model, blocked
+    try:
+        got = r.run([0, 1], [n])
+    finally:
+        r.model = model
+    assert max_abs_rel(got, want) <= 1e-6

@@ -140,6 +140,7 @@ class Attention(nnx.Module):
         self.window = cfg.sliding_window
         self.index_topk = cfg.index_topk
         self.cand_blocks, self.cand_block_size = cfg.candidate_topk_blocks, cfg.candidate_block_size
+        self.q_block = 256  # query block of long prefill chunks (attention and indexer), >= window
         self.freqs = tuple(float(f) for f in layer_inv_freq(cfg, plan.ratio))
         D, H, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
         dt = numerics.dtype
@@ -189,26 +190,49 @@ class Attention(nnx.Module):
         return cache, ctx
 
     def _select(self, x, qr, pos, ctx, capture):
-        """index source: score, candidate filter, top-k; publishes topk (and candidates)."""
+        """index source: score, candidate filter, top-k; publishes topk (and candidates).
+
+        Long chunks run in query blocks of ``q_block`` (as ``_attend``): the per-head indexer
+        scores [B, bq, heads, T] of one block exist at a time instead of [B, S, heads, T]."""
         m = self.plan.ratio
         idx_k = ctx["idx_k"]
         T = idx_k.shape[1]
-        n_vis = (pos + 1) // m
-        s = self.indexer.scores(x, qr, pos, idx_k, self._freqs())
-        tmask = jnp.arange(T) >= n_vis[..., None]
-        s = jnp.where(tmask, NEG_INF, s)
+        k = min(self.index_topk, T)
+        freqs = self._freqs()
+        src, use = self.plan.is_candidate_source, self.plan.uses_candidates
+
+        def one(xb, qrb, pb, cand_in):
+            n_vis = (pb + 1) // m
+            s = self.indexer.scores(xb, qrb, pb, idx_k, freqs)
+            s = jnp.where(jnp.arange(T) >= n_vis[..., None], NEG_INF, s)
+            cand = None
+            if src:
+                cand = select_candidate_blocks(s, n_vis, self.cand_blocks, self.cand_block_size)
+            elif use:
+                s = jnp.where(cand_in, s, NEG_INF)
+            _, idx = jax.lax.top_k(s, k)
+            idx = jnp.sort(idx, axis=-1)
+            idx = jnp.where(idx < n_vis[..., None], idx, -1).astype(jnp.int32)
+            return idx, cand
+
+        B, S = pos.shape
+        bq = max(self.q_block, self.window)
+        cand_in = ctx.get("cand") if use else None
+        if capture is not None or S <= 2 * bq or S % bq:
+            idx, cand = one(x, qr, pos, cand_in)
+        else:
+            def body(i):
+                sl = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * bq, bq, axis=1)  # noqa: E731
+                return one(sl(x), sl(qr), sl(pos), sl(cand_in))
+
+            idx, cand = jax.lax.map(body, jnp.arange(S // bq))
+            merge = lambda a: None if a is None else jnp.moveaxis(a, 0, 1).reshape(B, S, *a.shape[3:])  # noqa: E731
+            idx, cand = merge(idx), merge(cand)
         ctx = dict(ctx)
-        if self.plan.is_candidate_source:
-            cand = select_candidate_blocks(s, n_vis, self.cand_blocks, self.cand_block_size)
+        if src:
             ctx["cand"] = cand
             if capture is not None:
                 capture["candidates"] = cand
-        elif self.plan.uses_candidates:
-            s = jnp.where(ctx["cand"], s, NEG_INF)
-        k = min(self.index_topk, T)
-        _, idx = jax.lax.top_k(s, k)
-        idx = jnp.sort(idx, axis=-1)
-        idx = jnp.where(idx < n_vis[..., None], idx, -1).astype(jnp.int32)
         ctx["topk"] = idx
         if capture is not None:
             capture["topk_idxs"] = idx
@@ -242,13 +266,13 @@ class Attention(nnx.Module):
         den = den + jnp.exp(sink - mx)
         return (o / den[..., None]).astype(dt)
 
-    def _attend(self, q, pos, kw, kpos, cmp_kv, idx, block: int = 256):
+    def _attend(self, q, pos, kw, kpos, cmp_kv, idx):
         """Attention of the chunk's queries. Long chunks run in query blocks: block i only sees
         the keys slice [i*bq, i*bq + W + bq) of (ring ++ chunk) and its own selected entries, so
         memory stays O(S * (W + bq + k)) instead of O(S^2)."""
         B, S = pos.shape
         W = self.window
-        block = max(block, W)  # later blocks must not need ring slots (stored in slot order)
+        block = max(self.q_block, W)  # later blocks must not need ring slots (stored in slot order)
 
         def one(qb, pb, kwb, kpb, idxb):
             qi = pb[:, :, None]
@@ -305,7 +329,7 @@ class Attention(nnx.Module):
         o = self._attend(q, pos, kw, kpos, kc, kc_ok)
         o = rope_tail(o, pos[..., None], freqs, inverse=True)
         G = self.n_groups
-        wo_a = self.wo_a.weight[...].reshape(G, self.o_rank, -1)
+        wo_a = self.wo_a.values().reshape(G, self.o_rank, -1)  # fp8 storage: dequantized exactly
         o = einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1).astype(dt), wo_a.astype(dt),
                        preferred_element_type=F32).astype(dt)
         out = self.wo_b(o.reshape(B, S, G * self.o_rank))
