@@ -11,7 +11,10 @@ the JAX slice holds them: bf16 for every linear, expert, norm, embedding and hea
 mHC coefficient weights, the attention sinks and the router bias; the Engram table fp8 e4m3 with
 one ue8m0 scale byte per 32 columns (only looked-up rows are dequantized). Numerics follow the
 JAX run: bf16 compute, the reference fake-quant points (fp8 window KV, fp4 ue8m0 indexer q/k,
-fp4 e4m3-scaled compressed KV), no activation quantization (the weights are plain bf16).
+fp4 e4m3-scaled compressed KV) and, as bench_slice marks them (``mark_release_quantized``), the
+fp8 per-32 activation quantization before the linears the release stores fp8/fp4 (wq_a, wq_b,
+wkv, wo_b, indexer wq_b, Engram wkv, shared and routed experts); ``--no-release-quant`` drops it
+(bench_slice's flag of the same name).
 
 The math is tests/torch_ref/oracle.py (its prefill), restated device-aware and with a decode
 cache:
@@ -33,8 +36,16 @@ Decode (the oracle has none): a real incremental step with a cache per layer: wi
 ctx + 64 like bench_slice), the ratio-2 partial group (fp32 kv + scores), and the Engram
 history (compressed ids of the last 3 tokens). For the timing the cache is filled with random
 values and ``length = ctx`` (bench_slice sets ``length = ctx`` on a zero cache); every step then
-advances it by one token. Per step and layer the peer does the work the JAX step does: q/kv
-projections, the compressor of kv sources (ratio 2: the pooled entry only when a group
+advances it by one token. Decode inputs, two variants (``--decode-inputs``):
+
+* ``bench_slice``: what bench_slice feeds: token id 1 in every row and identical rows (its cache
+  is all zeros), so every row routes to the same 6 experts per layer, at any batch. This is the
+  identical-work comparison (the ``ratio`` lines use it);
+* ``random``: a random token and random cache contents per row, so batch B reads about
+  E (1 - (1 - 6/E)^B) distinct experts per layer (~46 at B = 8, ~244 at B = 64): the work a real
+  batch does. ``experts_used`` in each row reports the distinct experts of the last step.
+
+Per step and layer the peer does the work the JAX step does: q/kv projections, the compressor of kv sources (ratio 2: the pooled entry only when a group
 completes), the indexer of index sources against the visible compressed entries, top-512,
 attention over the 128-slot ring + 512 gathered entries, router, the selected experts only,
 the shared expert, mHC x 2; Engram (24 table rows per token) on L0; the head on the new token.
@@ -45,13 +56,17 @@ benchmark's rows all sit at the same position (as in bench_slice), so the ring s
 ratio-2 group completion are host-side integers.
 
 Checked against the oracle at tiny width (tests/test_torch_peer.py): prefill logits and
-incremental decode logits within 1e-4 in fp32, fake-quant on and off.
+incremental decode logits within 1e-4 in fp32, fake-quant off / on / on + release activation quant.
 
 Output: JSON lines (``what`` = env, ceiling_copy, ceiling_bf16_matmul, build, decode_step,
-prefill; ``impl`` = torch_eager or torch_compile) and ``$OUT/bench_torch_peer.json``.
+prefill, ratio; ``impl`` = torch_eager or torch_compile) and ``$OUT/bench_torch_peer.json``.
+When ``$OUT/bench_slice.json`` exists (bench_slice run first in the same call, same $OUT) or
+``--compare`` names one, a ``ratio`` line per common measurement gives torch seconds / JAX
+seconds (decode: the ``bench_slice`` inputs against JAX's default path, table on the device).
 
     python benchmarks/bench_torch_peer.py --layers 3 --ctx 4096 --batches 1,8,64 --prefill 2048,8192
-    python benchmarks/bench_torch_peer.py --small --device cpu        # tiny width, CPU smoke
+    python benchmarks/bench_torch_peer.py --small --device cpu        # tiny width, CPU smoke (~6 min
+    python benchmarks/bench_torch_peer.py --small --device cpu --ctx 512 --batches 1,8 --prefill 256  # ~1 min)
 
 ``--compile auto`` (default) also times the steps with ``torch.compile`` applied to the dense
 pieces (mHC, norms, RoPE, codecs, attention core, SwiGLU) on CUDA; a failure (no triton, ...)
@@ -207,6 +222,12 @@ def swiglu(g, u, limit: float):
     return F.silu(g) * u
 
 
+def expert_act(g, u, route_w, limit: float, quant: bool):
+    """Routed expert between its GEMMs: route weight x SwiGLU, cast, (fp8 quantization for w2)."""
+    h = (route_w * swiglu(g, u, limit)).to(g.dtype)
+    return q_fp8_e8(h, 32) if quant else h
+
+
 def engram_mix(h, kv, wgt, n: int, D: int, eps: float):
     key = kv[..., : n * D].float().unflatten(-1, (n, D))
     value = kv[..., n * D:].float()
@@ -218,7 +239,7 @@ def engram_mix(h, kv, wgt, n: int, D: int, eps: float):
 
 
 _KERNELS = ("rms_norm", "rope", "q_fp8_e8", "q_fp4_e8", "q_fp4_e4", "hc_mixes", "hc_collapse",
-            "hc_expand", "sparse_attn", "swiglu", "engram_mix")
+            "hc_expand", "sparse_attn", "swiglu", "expert_act", "engram_mix")
 
 
 def eager_kernels():
@@ -228,7 +249,9 @@ def eager_kernels():
 def compiled_kernels():
     import torch._dynamo
 
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for knob in ("cache_size_limit", "recompile_limit"):  # shapes vary per expert / batch / length
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
     return types.SimpleNamespace(**{k: torch.compile(globals()[k]) for k in _KERNELS})
 
 
@@ -314,14 +337,36 @@ def random_weights(cfg: dict, device, dtype, seed: int = 0, engram_fp8: bool = T
     return W
 
 
-def oracle_weights(W: dict) -> dict:
-    """The oracle's per-expert names (views, no copies); an fp8 Engram table is dequantized."""
+# Linears the V4.1 release stores fp8/fp4 (bench_slice.RELEASE_FP8 + the routed experts): in
+# reference numerics their input activations are quantized (fp8 e4m3, ue8m0 per 32) first
+RELEASE_FP8 = ("attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_b.weight",
+               "attn.indexer.wq_b.weight", "engram.wkv.weight", "ffn.shared_experts.w1.weight",
+               "ffn.shared_experts.w2.weight", "ffn.shared_experts.w3.weight", "ffn.experts.w1",
+               "ffn.experts.w2", "ffn.experts.w3")
+
+
+def release_fp8_names(cfg: dict) -> list[str]:
+    return [f"layers.{l}.{n}" for l in range(cfg["num_hidden_layers"]) for n in RELEASE_FP8]
+
+
+def oracle_weights(W: dict, release_quant: bool = False) -> dict:
+    """The oracle's per-expert names (views, no copies); an fp8 Engram table is dequantized.
+    ``release_quant``: mark the release-fp8 weights ``fp8_gemm`` (the oracle then quantizes
+    their inputs, as for a weight load_weights() dequantized) on fresh views."""
     out = {}
+    marked = set(release_fp8_names_from(W)) if release_quant else set()
     for k, v in W.items():
         if k.endswith("experts.w1") or k.endswith("experts.w2") or k.endswith("experts.w3"):
             base, nm = k.rsplit(".", 1)
             for e in range(v.shape[0]):
-                out[f"{base}.{e}.{nm}.weight"] = v[e]
+                t = v[e]
+                if k in marked:
+                    t.fp8_gemm = True
+                out[f"{base}.{e}.{nm}.weight"] = t
+        elif k in marked:
+            t = v.view(v.shape)
+            t.fp8_gemm = True
+            out[k] = t
         elif k.endswith("embed.scale"):
             continue
         elif k.endswith("engram.embed.weight") and v.dtype == torch.float8_e4m3fn:
@@ -329,6 +374,10 @@ def oracle_weights(W: dict) -> dict:
         else:
             out[k] = v
     return out
+
+
+def release_fp8_names_from(W: dict) -> list[str]:
+    return [k for k in W if k.startswith("layers.") and k.split(".", 2)[2] in RELEASE_FP8]
 
 
 def _dequant_rows(rows, sc, dtype):
@@ -348,7 +397,7 @@ class Peer:
     0, fills a cache) and ``decode`` (one token per row against the cache)."""
 
     def __init__(self, cfg: dict, W: dict, token_map, *, device, dtype, fake_quant: bool,
-                 stable_topk: bool = False, kernels=None):
+                 stable_topk: bool = False, release_quant: bool = True, kernels=None):
         self.cfg, self.W = cfg, W
         self.dev = torch.device(device)
         self.dt = dtype
@@ -357,6 +406,8 @@ class Peer:
         self.k = kernels or eager_kernels()
         self.topo = O.topology(cfg)
         self.L = cfg["num_hidden_layers"]
+        self.aq = set(release_fp8_names(cfg)) if release_quant else set()
+        self.experts_used = {}  # layer -> distinct routed experts of the last MoE call (diagnostic)
         self.n = cfg["hc_mult"]
         self.D = cfg["hidden_size"]
         self.eps = cfg["rms_norm_eps"]
@@ -395,7 +446,7 @@ class Peer:
         """(cos, sin) tables [n, r/2] of the layer's RoPE (angles = position * freq in fp32)."""
         t = self._ang.get(ratio)
         if t is None or t[0].shape[0] < n:
-            m = max(n, 1024)
+            m = max(1024, 1 << (n - 1).bit_length())  # grow by powers of two (decode adds one per step)
             a = torch.arange(m, dtype=F32, device=self.dev)[:, None] * self._freqs[ratio][None]
             t = (torch.cos(a), torch.sin(a))
             self._ang[ratio] = t
@@ -419,8 +470,16 @@ class Peer:
             return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
         return torch.topk(x, k, dim=-1, sorted=False).indices
 
-    def lin(self, x, name):
+    def lin(self, x, name, xq=None):
+        """Bias-free linear in the activation dtype; a release-fp8 weight first quantizes its input
+        (e4m3, ue8m0 per 32: exact in bf16, so the bf16 GEMM has the reference's products).
+        ``xq``: the input already quantized (shared by two projections of the same input)."""
+        if self.fq and name in self.aq:
+            x = self.k.q_fp8_e8(x, 32) if xq is None else xq
         return F.linear(x, self.W[name])
+
+    def aq_input(self, x, name):
+        return self.k.q_fp8_e8(x, 32) if self.fq and name in self.aq else None
 
     # ------------------------------------------------------------------ Engram
     def _hash(self, slots):
@@ -465,8 +524,9 @@ class Peer:
     def engram(self, l, h, hashes):
         p = f"layers.{l}.engram."
         tab = self.W[p + "embed.weight"]
-        if tab.dtype == torch.float8_e4m3fn:
-            rows = _dequant_rows(tab[hashes], self.W[p + "embed.scale"][hashes], self.dt)
+        if tab.dtype == torch.float8_e4m3fn:  # gather the fp8 bytes (uint8 view), dequantize those rows
+            rows = tab.view(torch.uint8)[hashes].view(torch.float8_e4m3fn)
+            rows = _dequant_rows(rows, self.W[p + "embed.scale"][hashes], self.dt)
         else:
             rows = tab[hashes].to(self.dt)
         kv = self.lin(rows.flatten(-2), p + "wkv.weight")
@@ -489,11 +549,15 @@ class Peer:
             wts = wts / (wts.sum(-1, keepdim=True) + 1e-20)
         wts = wts * float(cfg.get("routed_scaling_factor", 1.0))
 
+        s = p + "shared_experts."
+        aq = self.fq and (p + "experts.w1") in self.aq
+        xa = self.k.q_fp8_e8(xf, 32) if aq else xf  # per-token quantization: once for all experts
         flat = top.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=cfg["n_routed_experts"]).tolist()  # the one host sync
+        self.experts_used[l] = sum(1 for c in counts if c)
         tok = order // k
-        xs = xf[tok]
+        xs = xa[tok]
         ws = wts.flatten()[order].unsqueeze(-1)
         w1, w2, w3 = self.W[p + "experts.w1"], self.W[p + "experts.w2"], self.W[p + "experts.w3"]
         outs = []
@@ -502,13 +566,13 @@ class Peer:
             if c == 0:
                 continue
             xe = xs[start:start + c]
-            h = ws[start:start + c] * self.k.swiglu(F.linear(xe, w1[e]), F.linear(xe, w3[e]), limit)
-            outs.append(F.linear(h.to(x.dtype), w2[e]))
+            h = self.k.expert_act(F.linear(xe, w1[e]), F.linear(xe, w3[e]), ws[start:start + c], limit, aq)
+            outs.append(F.linear(h, w2[e]))
             start += c
         y = torch.zeros(xf.shape, dtype=F32, device=x.device)
         y.index_add_(0, tok, torch.cat(outs).float())
-        s = p + "shared_experts."
-        hs = self.k.swiglu(self.lin(xf, s + "w1.weight"), self.lin(xf, s + "w3.weight"), limit)
+        xq = self.aq_input(xf, s + "w1.weight")
+        hs = self.k.swiglu(self.lin(xf, s + "w1.weight", xq), self.lin(xf, s + "w3.weight", xq), limit)
         y = y + self.lin(hs.to(x.dtype), s + "w2.weight").float()
         return y.to(x.dtype).view(shape)
 
@@ -563,10 +627,12 @@ class Peer:
 
     def _qkv(self, l, x, cs):
         a = f"layers.{l}.attn."
-        qr = self.k.rms_norm(self.lin(x, a + "wq_a.weight"), self.W[a + "q_norm.weight"], self.eps)
+        xq = self.aq_input(x, a + "wq_a.weight")
+        qr = self.k.rms_norm(self.lin(x, a + "wq_a.weight", xq), self.W[a + "q_norm.weight"], self.eps)
         q = self.lin(qr, a + "wq_b.weight").unflatten(-1, (self.H, self.d))
         q = self.k.rope(q, cs[0].unsqueeze(-2), cs[1].unsqueeze(-2))
-        kv = self.k.rms_norm(self.lin(x, a + "wkv.weight"), self.W[a + "kv_norm.weight"], self.eps)
+        kv = self.k.rms_norm(self.lin(x, a + "wkv.weight", xq if a + "wkv.weight" in self.aq else None),
+                             self.W[a + "kv_norm.weight"], self.eps)
         kv = self.k.rope(kv, *cs)
         if self.fq:
             kv = self.k.q_fp8_e8(kv, 32)
@@ -738,8 +804,14 @@ class Peer:
             hist = torch.full((B, self.N - 1), -1, dtype=torch.long, device=self.dev)
         return {"layers": layers, "length": 0, "engram_hist": hist}
 
-    def random_cache(self, B: int, ctx: int, max_len: int, seed: int = 1):
-        """A cache as if ``ctx`` tokens had been consumed (random contents, valid positions)."""
+    def random_cache(self, B: int, ctx: int, max_len: int, seed: int = 1, same_rows: bool = False):
+        """A cache as if ``ctx`` tokens had been consumed (random contents, valid positions).
+        ``same_rows``: every row holds the same contents (row 0's)."""
+        if same_rows:
+            one = self.random_cache(1, ctx, max_len, seed)
+            rep = lambda t: None if t is None else t.expand(B, *t.shape[1:]).contiguous()  # noqa: E731
+            return {"layers": [{k: rep(v) for k, v in lc.items()} for lc in one["layers"]],
+                    "length": ctx, "engram_hist": rep(one["engram_hist"])}
         c = self.new_cache(B, max_len)
         gen = torch.Generator(device=self.dev)
         gen.manual_seed(seed)
@@ -831,36 +903,44 @@ def _sync(dev):
 def ceilings(dev):
     x = torch.ones((1 << 30) // 2, dtype=torch.bfloat16, device=dev)
 
-    def run(f, n=5):
-        f()
-        f()
+    def run(f, arg, n=5):
+        f(arg)
+        f(arg)
         _sync(dev)
         ts = []
         for _ in range(n):
             t = time.perf_counter()
-            f()
+            f(arg)
             _sync(dev)
             ts.append(time.perf_counter() - t)
         return float(np.median(ts))
 
-    t = run(lambda: x * 2)
-    emit(what="ceiling_copy", impl="torch", bytes=2 * x.nbytes, seconds=t, tb_per_s=2 * x.nbytes / t / 1e12)
+    nb = 2 * x.nbytes
+    t = run(lambda v: v * 2, x)
+    emit(what="ceiling_copy", impl="torch", bytes=nb, seconds=t, tb_per_s=nb / t / 1e12)
     del x
     n = 8192 if dev.type == "cuda" else 1024
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
-    t = run(lambda: a @ a)
+    m = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    t = run(lambda v: v @ v, m)
     emit(what="ceiling_bf16_matmul", impl="torch", flops=2 * n ** 3, seconds=t, tflop_per_s=2 * n ** 3 / t / 1e12)
-    del a
+    del m
 
 
-def bench_decode(peer, cfg, batches, ctx, iters, impl, dev):
+def bench_decode(peer, cfg, batches, ctx, iters, impl, dev, inputs):
+    """``inputs``: "bench_slice" = what bench_slice feeds (token id 1 in every row, every row's cache
+    the same), so all rows route to the same experts; "random" = a random token per row and
+    per-row random cache contents (distinct routing per row)."""
     V = cfg["vocab_size"]
     for B in batches:
         try:
-            cache = peer.random_cache(B, ctx, ctx + 64)
+            same = inputs == "bench_slice"
+            cache = peer.random_cache(B, ctx, ctx + 64, same_rows=same)
             gen = torch.Generator(device=dev)
             gen.manual_seed(B)
-            ids = torch.randint(0, V, (B, 1), generator=gen, device=dev)
+            if same:
+                ids = torch.ones((B, 1), dtype=torch.long, device=dev)
+            else:
+                ids = torch.randint(0, V, (B, 1), generator=gen, device=dev)
             t0 = time.perf_counter()
             lg = peer.decode(ids, cache)
             _sync(dev)
@@ -875,16 +955,17 @@ def bench_decode(peer, cfg, batches, ctx, iters, impl, dev):
                 ts.append(time.perf_counter() - t1)
             step = float(np.median(ts))
             finite = bool(torch.isfinite(lg).all())
-            emit(what="decode_step", impl=impl, batch=B, ctx=ctx, layers=cfg["num_hidden_layers"], seconds=step,
-                 first_call_s=first, tokens_per_s=B / step, min_s=float(np.min(ts)), logits_finite=finite)
+            emit(what="decode_step", impl=impl, inputs=inputs, batch=B, ctx=ctx, layers=cfg["num_hidden_layers"],
+                 seconds=step, first_call_s=first, tokens_per_s=B / step, min_s=float(np.min(ts)),
+                 experts_used=[peer.experts_used[l] for l in sorted(peer.experts_used)], logits_finite=finite)
             del cache, lg
         except Exception as e:  # report and continue (OOM etc.)
-            emit(what="decode_step", impl=impl, batch=B, error=f"{type(e).__name__}: {str(e)[:300]}")
+            emit(what="decode_step", impl=impl, inputs=inputs, batch=B, error=f"{type(e).__name__}: {str(e)[:300]}")
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
 
-def bench_prefill(peer, cfg, lengths, impl, dev, iters=2):
+def bench_prefill(peer, cfg, lengths, impl, dev, iters=3):
     V = cfg["vocab_size"]
     for S in lengths:
         try:
@@ -914,6 +995,27 @@ def bench_prefill(peer, cfg, lengths, impl, dev, iters=2):
             torch.cuda.empty_cache()
 
 
+def compare(path):
+    """One ``ratio`` line per measurement present in both runs: torch seconds / JAX seconds
+    (JAX: decode with the default MoE path and the Engram table on the device)."""
+    with open(path) as f:
+        jx = json.load(f)
+    jd = {r["batch"]: r for r in jx if r.get("what") == "decode_step" and "seconds" in r
+          and r.get("moe_path", "auto") == "auto" and r.get("engram", "engram_table_on_device") == "engram_table_on_device"}
+    jp = {r["tokens"]: r for r in jx if r.get("what") == "prefill" and "seconds" in r}
+    for r in list(RESULTS):
+        if "seconds" not in r:
+            continue
+        if r.get("what") == "decode_step" and r["batch"] in jd and r.get("inputs") == "bench_slice":
+            j = jd[r["batch"]]
+            emit(what="ratio", kind="decode_step", batch=r["batch"], ctx=r["ctx"], impl=r["impl"],
+                 torch_s=r["seconds"], jax_s=j["seconds"], torch_over_jax=r["seconds"] / j["seconds"])
+        elif r.get("what") == "prefill" and r["tokens"] in jp:
+            j = jp[r["tokens"]]
+            emit(what="ratio", kind="prefill", tokens=r["tokens"], impl=r["impl"], torch_s=r["seconds"],
+                 jax_s=j["seconds"], torch_over_jax=r["seconds"] / j["seconds"])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=3)
@@ -928,6 +1030,13 @@ def main():
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                     help="also time with torch.compile on the dense pieces (auto: on CUDA only)")
     ap.add_argument("--skip", default="", help="comma list of: ceil, decode, prefill")
+    ap.add_argument("--decode-inputs", default="both", choices=["both", "bench_slice", "random"],
+                    help="bench_slice: token 1 in every row + identical rows (what bench_slice feeds); "
+                         "random: a random token and random cache contents per row")
+    ap.add_argument("--no-release-quant", action="store_true",
+                    help="as bench_slice: no fp8 activation quantization before the release's fp8/fp4 linears")
+    ap.add_argument("--compare", default="",
+                    help="bench_slice.py JSON to put side by side (default: $OUT/bench_slice.json if present)")
     a = ap.parse_args()
     skip = set(a.skip.split(","))
     dev = torch.device(a.device)
@@ -951,11 +1060,12 @@ def main():
     nc = cfg["engram_compressed_vocab_size"]
     tmap = rng.integers(0, nc, size=cfg["vocab_size"]).astype(np.int64)
     tmap[:nc] = np.arange(nc)
-    peer = Peer(cfg, W, tmap, device=dev, dtype=dtype, fake_quant=True)
+    peer = Peer(cfg, W, tmap, device=dev, dtype=dtype, fake_quant=True, release_quant=not a.no_release_quant)
     _sync(dev)
     nbytes = sum(v.numel() * v.element_size() for v in W.values())
     emit(what="build", impl="torch", layers=a.layers, param_gb=nbytes / 1e9, seconds=time.perf_counter() - t0,
          engram_rows=cfg["engram_num_embeddings"], mm_bf16_to_fp32_out=peer._mm_out,
+         release_quant=not a.no_release_quant,
          gpu_mem_allocated_gb=(torch.cuda.memory_allocated(dev) / 1e9 if dev.type == "cuda" else None))
     batches = [int(b) for b in a.batches.split(",") if b]
     lengths = [int(s) for s in a.prefill.split(",") if s]
@@ -975,11 +1085,15 @@ def main():
             emit(what="compile_check", impl=impl, error=f"{type(e).__name__}: {str(e)[:500]}")
             continue
         if "decode" not in skip:
-            bench_decode(peer, cfg, batches, a.ctx, a.iters, impl, dev)
+            for inputs in (["bench_slice", "random"] if a.decode_inputs == "both" else [a.decode_inputs]):
+                bench_decode(peer, cfg, batches, a.ctx, a.iters, impl, dev, inputs)
         if "prefill" not in skip:
             bench_prefill(peer, cfg, lengths, impl, dev)
     peer.k = eager_kernels()
     out = os.environ.get("OUT")
+    jax_json = a.compare or (os.path.join(out, "bench_slice.json") if out else None)
+    if jax_json and os.path.exists(jax_json):
+        compare(jax_json)
     if out:
         with open(os.path.join(out, "bench_torch_peer.json"), "w") as f:
             json.dump(RESULTS, f, indent=1)
