@@ -210,29 +210,44 @@ def decode_bytes(model, cfg, B: int, ctx: int) -> dict:
     return parts
 
 
-def bench_breakdown(model, cfg, B, ctx, copy_tb_s):
+def bench_breakdown(model, cfg, B, ctx, copy_tb_s, prefill: int = 0, mm_tflop_s=None):
     """Time the pieces of a decode step in isolation (batch B): each layer's attention (with its
-    cache at ``ctx`` tokens), each layer's MoE, the Engram layer, one mHC site, the head."""
+    cache at ``ctx`` tokens), each layer's MoE, the Engram layer, one mHC site, the head.
+    ``prefill`` > 0: the same pieces for a one-row prefill of that many tokens (MoE rows report
+    TFLOP/s and the fraction of the matmul ceiling)."""
     from dsv41_jax.model.mhc import hc_mixes, hc_post, hc_pre
 
     t = cfg.text
     D, n = t.hidden_size, t.hc_mult
-    x = (0.1 * jax.random.normal(jax.random.key(3), (B, 1, D), jnp.float32)).astype(model.numerics.dtype)
-    pos = jnp.full((B, 1), ctx, jnp.int32)
-    valid = jnp.ones((B, 1), bool)
-    cache = model.init_cache(B, ctx + 64)
+    S = prefill or 1
+    if prefill:
+        B = 1
+    x = (0.1 * jax.random.normal(jax.random.key(3), (B, S, D), jnp.float32)).astype(model.numerics.dtype)
+    if prefill:
+        pos = jnp.arange(S, dtype=jnp.int32)[None]
+        cache = model.init_cache(1, S)
+    else:
+        pos = jnp.full((B, 1), ctx, jnp.int32)
+        cache = model.init_cache(B, ctx + 64)
+    valid = jnp.ones((B, S), bool)
 
-    def run(name, module, fn, *args, nbytes=None):
+    what = "prefill_part" if prefill else "decode_part"
+
+    def run(name, module, fn, *args, nbytes=None, flops=None):
         g, st = nnx.split(module)
         f = jax.jit(lambda st, *a: fn(nnx.merge(g, st), *a))
         try:
-            sec, _ = bench(f, st, *args, iters=10)
-            row = dict(what="decode_part", part=name, batch=B, seconds=sec)
-            if nbytes:
+            sec, _ = bench(f, st, *args, iters=10 if not prefill else 3)
+            row = dict(what=what, part=name, batch=B, tokens=S, seconds=sec, kernels=os.environ.get("DSV41_KERNELS", "xla"))
+            if nbytes and not prefill:
                 row.update(bytes=nbytes, roofline_s=nbytes / (copy_tb_s * 1e12), tb_per_s=nbytes / sec / 1e12)
+            if flops and prefill:
+                row.update(flops=flops, tflop_per_s=flops / sec / 1e12)
+                if mm_tflop_s:
+                    row.update(mfu=flops / sec / 1e12 / mm_tflop_s)
             emit(**row)
         except Exception as e:
-            emit(what="decode_part", part=name, batch=B, error=f"{type(e).__name__}: {str(e)[:300]}")
+            emit(what=what, part=name, batch=B, tokens=S, error=f"{type(e).__name__}: {str(e)[:300]}")
 
     def nbytes(module):
         return sum(v.nbytes for v in jax.tree_util.tree_leaves(nnx.state(module, nnx.Param)))
@@ -244,16 +259,19 @@ def bench_breakdown(model, cfg, B, ctx, copy_tb_s):
             lambda m, c: m(x, pos, valid, c, {})[0], cache["layers"][l], nbytes=nbytes(layer.attn))
         ex = layer.ffn.experts
         moe_b = nbytes(layer.ffn) - nbytes(ex) + nbytes(ex) / E * distinct
-        run(f"moe_L{l}", layer.ffn, lambda m: m(x), nbytes=moe_b)
+        moe_f = 2.0 * S * (k + 1) * 3 * t.moe_intermediate_size * D
+        run(f"moe_L{l}", layer.ffn, lambda m: m(x), nbytes=moe_b, flops=moe_f)
+        if prefill:  # the MoE of the other layers costs the same
+            break
         if layer.engram is not None:
-            h = jnp.broadcast_to(x[:, :, None], (B, 1, n, D))
+            h = jnp.broadcast_to(x[:, :, None], (B, S, n, D))
             rows = layer.engram.embed.weight.get_value().shape[0]
-            hashes = jax.random.randint(jax.random.key(4), (B, 1, t.engram_cols), 0, rows)
+            hashes = jax.random.randint(jax.random.key(4), (B, S, t.engram_cols), 0, rows)
             eb = nbytes(layer.engram.wkv) + B * t.engram_cols * (layer.engram.embed.dim + layer.engram.embed.dim // 32)
             run(f"engram_L{l}", layer.engram, lambda m, hh, hs: m(hh, hs), h, hashes, nbytes=eb)
     layer = model.layers[0]
-    h = jnp.broadcast_to(x[:, :, None], (B, 1, n, D))
-    pre = jnp.full((B, 1, n), 1.0 / n, jnp.float32)
+    h = jnp.broadcast_to(x[:, :, None], (B, S, n, D))
+    pre = jnp.full((B, S, n), 1.0 / n, jnp.float32)
 
     def mhc_site(m, hh, pr):
         p2, post, comb = hc_mixes(hh, m.hc_attn_fn[...], m.hc_attn_scale[...], m.hc_attn_base[...], **m._hc())
@@ -261,7 +279,7 @@ def bench_breakdown(model, cfg, B, ctx, copy_tb_s):
         return hc_post(y, hh, post, comb), p2
 
     run("mhc_site(x2 per layer)", layer, mhc_site, h, pre)
-    run("head", model, lambda m, y: m.logits(y), x, nbytes=model.head.weight.get_value().nbytes)
+    run("head", model, lambda m, y: m.logits(y[:, -1:]), x, nbytes=model.head.weight.get_value().nbytes)
 
 
 def param_bytes(model):
@@ -280,7 +298,9 @@ def bench_decode(model, cfg, batches, ctx, moe_path="auto", tag="engram_table_on
         try:
             cache = model.init_cache(B, ctx + 64)
             cache = dict(cache, length=jnp.full((B,), ctx, jnp.int32))
-            ids = jnp.ones((B, 1), jnp.int32)
+            # a different token per row: rows route to different experts, as in a real batch
+            # (identical rows would all read the same 6 experts per layer)
+            ids = jax.random.randint(jax.random.key(11 + B), (B, 1), 0, t.vocab_size).astype(jnp.int32)
             valid = jnp.ones((B, 1), bool)
             t0 = time.perf_counter()
             lowered = fn.lower(state, cache, ids, valid, None, None, None)
@@ -435,6 +455,7 @@ def main():
     ap.add_argument("--experts", default="bf16", choices=["bf16", "int8"], help="routed expert storage")
     ap.add_argument("--kernels", default=None, choices=["xla", "pallas"], help="sets DSV41_KERNELS")
     ap.add_argument("--breakdown", default="", help="batches for the per-part decode breakdown, e.g. 1,64")
+    ap.add_argument("--breakdown-prefill", type=int, default=0, help="per-part breakdown of a prefill of N tokens")
     ap.add_argument("--no-release-quant", action="store_true",
                     help="do not mark the release's fp8/fp4 linears quantized (no activation fake-quant)")
     ap.add_argument("--compile-shapes", default="decode:1,decode:64,prefill:8192",
@@ -466,6 +487,8 @@ def main():
     batches = [int(b) for b in a.batches.split(",")] if a.batches else []
     for B in [int(b) for b in a.breakdown.split(",") if b]:
         bench_breakdown(model, cfg, B, a.ctx, copy_tb_s or 2.4)
+    if a.breakdown_prefill:
+        bench_breakdown(model, cfg, 1, a.ctx, copy_tb_s or 2.4, prefill=a.breakdown_prefill, mm_tflop_s=mm_tflop_s)
     if "decode" not in skip:
         bench_decode(model, cfg, batches, a.ctx, copy_tb_s=copy_tb_s)
         if a.moe_paths:
