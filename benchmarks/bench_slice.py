@@ -36,6 +36,7 @@ from dsv41_jax.numerics import Numerics  # noqa: E402
 
 RESULTS = []
 TAG = ""
+MM_TFLOP_S = None  # measured bf16 matmul rate of this call (set by main)
 
 
 def emit(**kw):
@@ -386,8 +387,13 @@ def bench_prefill(model, cfg, lengths, mm_tflop_s=None):
             emit(what="prefill", tokens=S, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-def bench_vit(model, cfg, tokens):
+def bench_vit(model, cfg, tokens, modes=("fp32", "bf16")):
+    """ViT + aligner on one image of about ``tokens`` LLM tokens, per vision attention mode:
+    "fp32" = the parity path (the reference's fp32 attention), "bf16" = the performance mode."""
+    import dataclasses
+
     from dsv41_jax import processor
+    from dsv41_jax.model import vision as V
     from dsv41_jax.model.vision import encode_images
     from PIL import Image
 
@@ -395,18 +401,31 @@ def bench_vit(model, cfg, tokens):
     side = int(np.sqrt(tokens)) * v.patch_size * v.downsample_ratio
     img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (side, side, 3), dtype=np.uint8))
     pi = processor.preprocess_image(img, v)
-    try:
-        t0 = time.perf_counter()
-        out = encode_images(model.vision, model.aligner, model, [pi], model.numerics)
-        jax.block_until_ready(out)
-        first = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        out = encode_images(model.vision, model.aligner, model, [pi], model.numerics)
-        jax.block_until_ready(out)
-        run = time.perf_counter() - t1
-        emit(what="vit", image_tokens=int(np.prod(pi.llm_grid)), patches=pi.n_patches, seconds=run, first_call_s=first)
-    except Exception as e:
-        emit(what="vit", error=f"{type(e).__name__}: {str(e)[:300]}")
+    # FLOPs of the real patches: 2 x linear params per patch per layer + q.k and p.v per layer
+    N, Dv, L = pi.n_patches, v.hidden_size, v.num_hidden_layers
+    lin = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nnx.state(model.vision, nnx.Param))
+              if x.ndim == 2)
+    flops = 2.0 * N * lin + 4.0 * N * N * Dv * L
+    for mode in modes:
+        num = dataclasses.replace(model.numerics, vision_attention=mode)
+        try:
+            t0 = time.perf_counter()
+            out = encode_images(model.vision, model.aligner, model, [pi], num)
+            jax.block_until_ready(out)
+            first = time.perf_counter() - t0
+            ts = []
+            for _ in range(3):
+                t1 = time.perf_counter()
+                out = encode_images(model.vision, model.aligner, model, [pi], num)
+                jax.block_until_ready(out)
+                ts.append(time.perf_counter() - t1)
+            run = float(np.median(ts))
+            emit(what="vit", vit_attention=mode, attention_impl=V.attention_impl(mode),
+                 cudnn_error=V._CUDNN_FAILED[0][:200] if V._CUDNN_FAILED else None,
+                 image_tokens=int(np.prod(pi.llm_grid)), patches=N, flops=flops, seconds=run, first_call_s=first,
+                 tflop_per_s=flops / run / 1e12, mfu=(flops / run / 1e12 / MM_TFLOP_S) if MM_TFLOP_S else None)
+        except Exception as e:
+            emit(what="vit", vit_attention=mode, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def bench_compile_full(numerics, shapes, experts_int8=False):
@@ -472,6 +491,8 @@ def main():
     jax.config.update("jax_default_matmul_precision", "default")
     emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
     copy_tb_s, mm_tflop_s = ceilings() if "ceil" not in skip else (None, None)
+    global MM_TFLOP_S
+    MM_TFLOP_S = mm_tflop_s
     numerics = Numerics("bfloat16", "reference")
     compile_shapes = [(k, int(n)) for k, n in (x.split(":") for x in a.compile_shapes.split(",") if x)]
     if "compile" not in skip and not a.compile_last:

@@ -38,10 +38,11 @@ history (compressed ids of the last 3 tokens). For the timing the cache is fille
 values and ``length = ctx`` (bench_slice sets ``length = ctx`` on a zero cache); every step then
 advances it by one token. Decode inputs, two variants (``--decode-inputs``):
 
-* ``bench_slice``: what bench_slice feeds: token id 1 in every row and identical rows (its cache
-  is all zeros), so every row routes to the same 6 experts per layer, at any batch. This is the
-  identical-work comparison (the ``ratio`` lines use it);
-* ``random``: a random token and random cache contents per row, so batch B reads about
+* ``identical``: token id 1 in every row and identical rows, so every row routes to the same 6
+  experts per layer, at any batch (what bench_slice fed before it was fixed: runs 1-4 of
+  docs/performance.md);
+* ``random``: a random token and random cache contents per row (bench_slice now feeds a random
+  token per row; its cache is zeros, the same work), so batch B reads about
   E (1 - (1 - 6/E)^B) distinct experts per layer (~46 at B = 8, ~244 at B = 64): the work a real
   batch does. ``experts_used`` in each row reports the distinct experts of the last step.
 
@@ -62,7 +63,8 @@ Output: JSON lines (``what`` = env, ceiling_copy, ceiling_bf16_matmul, build, de
 prefill, ratio; ``impl`` = torch_eager or torch_compile) and ``$OUT/bench_torch_peer.json``.
 When ``$OUT/bench_slice.json`` exists (bench_slice run first in the same call, same $OUT) or
 ``--compare`` names one, a ``ratio`` line per common measurement gives torch seconds / JAX
-seconds (decode: the ``bench_slice`` inputs against JAX's default path, table on the device).
+seconds (decode: the ``random`` inputs, a different token per row as bench_slice now feeds, against
+JAX's default path, table on the device).
 
     python benchmarks/bench_torch_peer.py --layers 3 --ctx 4096 --batches 1,8,64 --prefill 2048,8192
     python benchmarks/bench_torch_peer.py --small --device cpu        # tiny width, CPU smoke (~6 min
@@ -927,13 +929,13 @@ def ceilings(dev):
 
 
 def bench_decode(peer, cfg, batches, ctx, iters, impl, dev, inputs):
-    """``inputs``: "bench_slice" = what bench_slice feeds (token id 1 in every row, every row's cache
+    """``inputs``: "identical" = the old bench_slice inputs (token id 1 in every row, every row's cache
     the same), so all rows route to the same experts; "random" = a random token per row and
     per-row random cache contents (distinct routing per row)."""
     V = cfg["vocab_size"]
     for B in batches:
         try:
-            same = inputs == "bench_slice"
+            same = inputs == "identical"
             cache = peer.random_cache(B, ctx, ctx + 64, same_rows=same)
             gen = torch.Generator(device=dev)
             gen.manual_seed(B)
@@ -1006,7 +1008,7 @@ def compare(path):
     for r in list(RESULTS):
         if "seconds" not in r:
             continue
-        if r.get("what") == "decode_step" and r["batch"] in jd and r.get("inputs") == "bench_slice":
+        if r.get("what") == "decode_step" and r["batch"] in jd and r.get("inputs") == "random":
             j = jd[r["batch"]]
             emit(what="ratio", kind="decode_step", batch=r["batch"], ctx=r["ctx"], impl=r["impl"],
                  torch_s=r["seconds"], jax_s=j["seconds"], torch_over_jax=r["seconds"] / j["seconds"])
@@ -1030,8 +1032,8 @@ def main():
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                     help="also time with torch.compile on the dense pieces (auto: on CUDA only)")
     ap.add_argument("--skip", default="", help="comma list of: ceil, decode, prefill")
-    ap.add_argument("--decode-inputs", default="both", choices=["both", "bench_slice", "random"],
-                    help="bench_slice: token 1 in every row + identical rows (what bench_slice feeds); "
+    ap.add_argument("--decode-inputs", default="random", choices=["both", "identical", "random"],
+                    help="identical: token 1 in every row + identical rows (the old bench_slice inputs); "
                          "random: a random token and random cache contents per row")
     ap.add_argument("--no-release-quant", action="store_true",
                     help="as bench_slice: no fp8 activation quantization before the release's fp8/fp4 linears")
@@ -1085,7 +1087,7 @@ def main():
             emit(what="compile_check", impl=impl, error=f"{type(e).__name__}: {str(e)[:500]}")
             continue
         if "decode" not in skip:
-            for inputs in (["bench_slice", "random"] if a.decode_inputs == "both" else [a.decode_inputs]):
+            for inputs in (["identical", "random"] if a.decode_inputs == "both" else [a.decode_inputs]):
                 bench_decode(peer, cfg, batches, a.ctx, a.iters, impl, dev, inputs)
         if "prefill" not in skip:
             bench_prefill(peer, cfg, lengths, impl, dev)
