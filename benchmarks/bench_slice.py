@@ -498,6 +498,11 @@ def main():
     if "compile" not in skip and not a.compile_last:
         bench_compile_full(numerics, compile_shapes, a.experts == "int8")
     cfg = slice_config(a.layers, a.small, a.engram_rows)
+    needs_model = bool(a.breakdown or a.breakdown_prefill) or not {"decode", "prefill", "vit"} <= skip
+    if not needs_model:
+        if "compile" not in skip and a.compile_last:
+            bench_compile_full(numerics, compile_shapes, a.experts == "int8")
+        return _write_out()
     t0 = time.perf_counter()
     model = random_model(cfg, numerics, experts_int8=a.experts == "int8")
     if not a.no_release_quant:
@@ -530,6 +535,10 @@ def main():
     if "compile" not in skip and a.compile_last:
         del model
         bench_compile_full(numerics, compile_shapes, a.experts == "int8")
+    _write_out()
+
+
+def _write_out():
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "bench_slice.json"), "w") as f:
