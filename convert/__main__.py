@@ -20,6 +20,9 @@ def _convert_parser() -> argparse.ArgumentParser:
     ap.add_argument("--experts", default=None, choices=["bf16", "float32", "int8"],
                     help="routed experts: dequantized (bf16/float32) or int8 codes (2 x fp4 value, lossless) + "
                          "ue8m0 scales; default: --dtype")
+    ap.add_argument("--dense", default="dequantized", choices=["dequantized", "fp8"],
+                    help="fp8 Linear weights: dequantized (in --dtype, default) or kept as e4m3 codes + ue8m0 scales "
+                         "(lossless; load with dense_fp8=True / --dense-fp8)")
     ap.add_argument("--max-memory", default="4GB", help="host memory budget, e.g. 8GB (default 4GB)")
     ap.add_argument("--resume", action="store_true", help="continue an interrupted conversion in DST.partial")
     ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists (once the new one is complete)")
@@ -58,7 +61,7 @@ def main(argv=None) -> int:
 
     try:
         report = convert_checkpoint(args.src, args.dst, dtype=args.dtype, experts=args.experts,
-                                    max_memory=args.max_memory, resume=args.resume, overwrite=args.overwrite,
+                                    dense=args.dense, max_memory=args.max_memory, resume=args.resume, overwrite=args.overwrite,
                                     text_only=args.text_only, check_finite=args.check_finite,
                                     compress=args.compress, progress=args.progress, max_groups=args.max_groups,
                                     dry_run=args.dry_run)

@@ -11,7 +11,9 @@ Exactness: fp8 (32x32 or the config's ``weight_block_size``) and fp4 experts are
 the exact codecs of ``dsv41_jax.quant``; a value is stored in bf16 only when bf16 holds it exactly
 (tensors that are F32 in the source stay F32). Engram tables stay fp8 + ue8m0 scale. Routed experts
 are stacked to ``[E, out, in]`` (or, with ``experts='int8'``, stored as int8 codes = 2 x the e2m1
-value plus the per-32 scale bytes). ``mtp.*`` (draft layers) is dropped and reported.
+value plus the per-32 scale bytes). With ``dense='fp8'`` the decoder's fp8 Linear weights keep
+their e4m3 codes, with the 32x32 block scale bytes repeated along ``out`` (``[out, in/32]``, the
+in-memory layout of ``Linear.set_fp8``). ``mtp.*`` (draft layers) is dropped and reported.
 """
 from __future__ import annotations
 
@@ -331,8 +333,8 @@ class ParamPlan:
     group: str
     shape: tuple[int, ...]  # stored shape
     dtype: np.dtype  # stored dtype
-    encoding: str  # float | e4m3 | e8m0 | fp4x2_int8 | e8m0_per32
-    form: str  # plain | fp8 | raw | experts-{plain,fp8,fp4} | codes | codes-scale
+    encoding: str  # float | e4m3 | e8m0 | fp4x2_int8 | e8m0_per32 | fp8_e4m3 | e8m0_rows
+    form: str  # plain | fp8 | raw | experts-{plain,fp8,fp4} | codes | codes-scale | fp8-codes | fp8-scale
     sources: list[str]
     scales: list[str]
     block: tuple[int, int] = (32, 32)
@@ -352,6 +354,7 @@ class Plan:
     dtype: str
     experts: str
     block: tuple[int, int]
+    dense: str
     dropped: dict
     forms: dict
     notes: list[str]
@@ -412,10 +415,11 @@ def check_tokenizer(directory: str, cfg, token_map_cache: str | None = None) -> 
 
 
 def build_plan(src: Source, cfg, *, dtype: str = "bf16", experts: str | None = None,
-               text_only: bool = False, token_map_cache: str | None = None) -> Plan:
+               text_only: bool = False, token_map_cache: str | None = None, dense: str | None = None) -> Plan:
     """Map every model parameter to its source tensors and check everything (names, dtypes,
     shapes, scales, config agreement, the tokenizer of the Engram layers unless the source is
-    virtual). Raises one ConvertError listing every problem."""
+    virtual). ``dense='fp8'`` keeps fp8 Linear weights as codes + row scales. Raises one
+    ConvertError listing every problem."""
     from dsv41_jax.numerics import Numerics
 
     out_dtype = _BF16 if dtype == "bf16" else _F32
@@ -598,6 +602,14 @@ def build_plan(src: Source, cfg, *, dtype: str = "bf16", experts: str | None = N
         if form is None:
             continue
         forms[form] += 1
+        if form == "fp8" and dense == "fp8" and not _VISION_RE.match(key) and shape[1] % 32 == 0 and bi % 32 == 0:
+            # (a Linear whose inputs do not split into groups of 32 stays dequantized, as in load_original)
+            o, i = shape
+            sname = key[: -len("weight")] + "scale"
+            params.append(ParamPlan(key, group, shape, _E4M3, ckpt.FP8_WEIGHT_ENC, "fp8-codes", [key], [sname], block))
+            params.append(ParamPlan(sname, group, (o, i // 32), _U8, ckpt.FP8_SCALE_ENC, "fp8-scale", [key], [sname],
+                                    block))
+            continue
         if form == "plain":
             params.append(ParamPlan(key, group, shape, plain_out(src.tensors[key], out_dtype), "float", "plain", [key], []))
         else:
@@ -631,11 +643,13 @@ def build_plan(src: Source, cfg, *, dtype: str = "bf16", experts: str | None = N
                         "quantization_config (its weight_block_size is needed to read them)")
     if cfg.quant is not None and forms["fp8"] + forms["fp4"] == 0:
         notes.append("config.json has a quantization_config but no weight is stored quantized")
+    if dense == "fp8" and not any(p.encoding == ckpt.FP8_WEIGHT_ENC for p in params):
+        problems.append("--dense fp8 needs fp8 (F8_E4M3 + .scale) Linear weights in the source; found none")
     if problems:
         raise _problems_error(f"source {src.directory} does not match the model", problems)
     return Plan(params=params, flags=flags, engram_quantized=eq, has_vision=build_vision and bool(vis),
                 text_only=text_only, dtype=dtype, experts=experts, block=block, dropped=dropped, forms=forms,
-                notes=notes, consumed=consumed)
+                notes=notes, consumed=consumed, dense=dense or "dequantized")
 
 
 def scan_nonfinite(src: Source, names, *, chunk_bytes: int = 64 << 20, on_bytes: Callable[[int], None] | None = None
@@ -678,6 +692,25 @@ def make_producer(p: ParamPlan, src: Source) -> Callable[[int, int], np.ndarray]
         def produce(a, b):
             x = src.read(p.sources[0], a, b)
             return x.view(np.uint8).view(p.dtype)
+        return produce
+    if p.form == "fp8-codes":
+        def produce(a, b):
+            w = src.read(p.sources[0], a, b)
+            if _fp8_nan(w):
+                raise ConvertError(f"tensor {p.sources[0]}: NaN")
+            return w.view(np.uint8).view(_E4M3)
+        return produce
+    if p.form == "fp8-scale":
+        bo, bi = p.block
+
+        def produce(a, b):
+            sc = src.read(p.scales[0], a // bo, -(-b // bo)).view(np.uint8)
+            if not _in(sc, _FP8_SAFE_SCALES):
+                raise ConvertError(f"tensor {p.scales[0]}: scale bytes outside {_FP8_SAFE_SCALES[0]}.."
+                                   f"{_FP8_SAFE_SCALES[1]}, where fp8 storage is exact; convert without --dense fp8")
+            off = a - (a // bo) * bo
+            rows = np.repeat(sc, bo, axis=0)[off:off + (b - a)]
+            return np.ascontiguousarray(np.repeat(rows, bi // 32, axis=1)[:, : p.shape[1]])
         return produce
     if p.form == "fp8":
         bo, _ = p.block
@@ -727,7 +760,7 @@ def _work_per_row(p: ParamPlan) -> int:
     """Peak bytes of temporaries per output row while producing a slab (f32 value, expanded
     scale, product)."""
     row = math.prod(p.shape[1:])
-    if p.form in ("plain", "raw", "codes-scale"):
+    if p.form in ("plain", "raw", "codes-scale", "fp8-codes", "fp8-scale"):
         return row * (p.dtype.itemsize + 4)
     if p.form.startswith("experts-") or p.form == "codes":
         return row * p.dtype.itemsize  # one expert's temporaries are added once, not per row
@@ -752,6 +785,13 @@ def _normalize_dtype(d: str) -> str:
     if d in ("float32", "fp32", "f32"):
         return "float32"
     raise ConvertError(f"--dtype {d!r}: choose bf16 or float32")
+
+
+def _normalize_dense(d: str | None) -> str:
+    d = (d or "dequantized").lower()
+    if d not in ("dequantized", "fp8"):
+        raise ConvertError(f"--dense {d!r}: choose dequantized (stored in --dtype) or fp8")
+    return d
 
 
 def _normalize_experts(e: str | None, dtype: str) -> str:
@@ -781,7 +821,7 @@ def _check_writable(dst: str):
 
 
 def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str | None = None,
-                       max_memory: str | int = "4GB", resume: bool = False, overwrite: bool = False,
+                       dense: str | None = None, max_memory: str | int = "4GB", resume: bool = False, overwrite: bool = False,
                        text_only: bool = False, check_finite: bool = True, compress: bool = False,
                        progress: bool = True, max_groups: int | None = None, dry_run: bool = False,
                        log: Callable[[str], None] | None = print) -> dict:
@@ -789,7 +829,8 @@ def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str 
     checkpoint at ``dst``. Returns the conversion report (also stored in the sidecar).
 
     ``dtype``: bf16 (default) or float32 for dequantized / dense weights (F32 source tensors
-    always stay float32); ``experts``: bf16 / float32 / int8 (default: ``dtype``);
+    always stay float32); ``experts``: bf16 / float32 / int8 (default: ``dtype``); ``dense``: fp8
+    keeps the fp8 Linear weights as e4m3 codes + ue8m0 row scales (default: dequantized, in ``dtype``);
     ``max_memory``: host memory budget ('4GB'); ``resume``: continue ``dst.partial``;
     ``overwrite``: replace an existing ``dst`` once the new one is complete; ``text_only``: drop
     the vision tower; ``check_finite``: scan the source for NaN/Inf before writing;
@@ -801,6 +842,7 @@ def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str 
     say = log or (lambda s: None)
     dtype = _normalize_dtype(dtype)
     experts = _normalize_experts(experts, dtype)
+    dense = _normalize_dense(dense)
     budget = ckpt.parse_bytes(max_memory) or (4 << 30)
     slab_bytes = int(min(max(16 << 20, (budget - (768 << 20)) // 3), 2 << 30))
     src = os.path.abspath(src)
@@ -820,10 +862,13 @@ def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str 
     tmp = tempfile.mkdtemp(prefix="dsv41-convert-")
     token_map = os.path.join(tmp, TOKEN_MAP_FILE)
     try:
-        plan = build_plan(source, cfg, dtype=dtype, experts=experts, text_only=text_only, token_map_cache=token_map)
+        plan = build_plan(source, cfg, dtype=dtype, experts=experts, text_only=text_only, token_map_cache=token_map,
+                          dense=dense)
         fingerprint = {"converter": CONVERTER_VERSION, "format_version": ckpt.FORMAT_VERSION,
                        "source": source.fingerprint(),
                        "options": {"dtype": dtype, "experts": experts, "text_only": text_only, "compress": compress}}
+        if dense == "fp8":  # (only when set: unfinished conversions of earlier versions still resume)
+            fingerprint["options"]["dense"] = dense
         manifest = None
         if os.path.exists(part):
             try:
@@ -850,7 +895,7 @@ def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str 
                 raise _problems_error(f"source {src} has non-finite weights", bad)
             groups = plan.groups()
             return {"complete": False, "dry_run": True, "source": src, "destination": dst, "dtype": dtype,
-                    "experts": experts, "text_only": text_only, "dropped": plan.dropped, "forms": plan.forms,
+                    "experts": experts, "dense": dense, "text_only": text_only, "dropped": plan.dropped, "forms": plan.forms,
                     "notes": plan.notes, "tensors_read": len(plan.source_names()), "source_bytes": total_src,
                     "arrays": len(plan.params), "groups_total": len(groups),
                     "bytes_total": sum(p.nbytes for p in plan.params),
@@ -880,7 +925,7 @@ def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str 
     finally:
         source.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    report.update({"source": src, "destination": dst, "dtype": dtype, "experts": experts,
+    report.update({"source": src, "destination": dst, "dtype": dtype, "experts": experts, "dense": dense,
                    "text_only": text_only, "dropped": plan.dropped, "forms": plan.forms, "notes": plan.notes,
                    "tensors_read": len(plan.source_names()),
                    "arrays_written": len(plan.params), "max_memory": budget, "slab_bytes": slab_bytes})
@@ -906,6 +951,7 @@ def convert_checkpoint(src: str, dst: str, *, dtype: str = "bf16", experts: str 
         "quantized": plan.flags,
         "engram_quantized": plan.engram_quantized,
         "experts": experts,
+        "dense": dense,
         "has_vision": plan.has_vision,
         "source": fingerprint,
         "conversion": report,

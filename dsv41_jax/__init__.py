@@ -22,9 +22,11 @@ if _os.environ.get("DSV41_ALLOW_EXCESS_PRECISION", "0") != "1":
         _os.environ["XLA_FLAGS"] = (_flags + " --xla_allow_excess_precision=false").strip()
 
 
-def load(path, *, mesh=None, dtype="bfloat16", numerics="reference", text_only=False, experts_int8=False, **kw):
+def load(path, *, mesh=None, dtype="bfloat16", numerics="reference", text_only=False, experts_int8=False,
+         dense_fp8=False, **kw):
     """Load a model for generation: an Orbax checkpoint made by ``dsv41-jax convert`` or an
     original-format DeepSeek checkpoint directory. See :class:`dsv41_jax.api.DeepseekVL`."""
     from dsv41_jax.api import load as _load
 
-    return _load(path, mesh=mesh, dtype=dtype, numerics=numerics, text_only=text_only, experts_int8=experts_int8, **kw)
+    return _load(path, mesh=mesh, dtype=dtype, numerics=numerics, text_only=text_only, experts_int8=experts_int8,
+                 dense_fp8=dense_fp8, **kw)

@@ -279,13 +279,16 @@ def _is_original(path: str) -> bool:
 
 
 def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numerics: str = "reference",
-         text_only: bool = False, tokenizer: bool = True, experts_int8: bool = False,
+         text_only: bool = False, tokenizer: bool = True, experts_int8: bool = False, dense_fp8: bool = False,
          vit_attention: str = "fp32") -> DeepseekVL:
     """Load a converted Orbax checkpoint (``dsv41-jax convert``) or an original-format DeepSeek
     checkpoint directory. ``mesh``: a ``jax.sharding.Mesh`` or "D,E,T" spec to shard onto.
     ``dtype``: compute dtype ("bfloat16" or "float32"); ``numerics``: "reference" (the official
     fake-quant points) or "fast"; ``experts_int8``: keep fp4 routed experts quantized in device
     memory (original fp4 checkpoints, or Orbax ones converted with ``--experts int8``);
+    ``dense_fp8``: keep the fp8 Linear weights (attention, shared experts, Engram projection) as
+    e4m3 codes + ue8m0 scales in device memory (original fp8 checkpoints, or Orbax ones converted
+    with ``--dense fp8``); results are bit-identical to the dequantized weights;
     ``vit_attention``: "fp32" (the vision tower's parity path) or "bf16" (its performance mode:
     bf16 attention and GEMMs with fp32 accumulation, cuDNN flash attention on GPU; docs/vision.md)."""
     path = os.fspath(path)
@@ -301,7 +304,7 @@ def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numeric
     if _is_original(path):
         from dsv41_jax.weights import load_original
 
-        model = load_original(path, num, text_only=text_only, experts_int8=experts_int8)
+        model = load_original(path, num, text_only=text_only, experts_int8=experts_int8, dense_fp8=dense_fp8)
         if mesh is not None:
             from dsv41_jax.sharding import shard_model
 
@@ -309,7 +312,8 @@ def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numeric
     else:
         from dsv41_jax.checkpoint import restore_model
 
-        model = restore_model(path, num, config=cfg, mesh=mesh, text_only=text_only, experts_int8=experts_int8)
+        model = restore_model(path, num, config=cfg, mesh=mesh, text_only=text_only, experts_int8=experts_int8,
+                              dense_fp8=dense_fp8)
     tok = None
     tp = os.path.join(path, "tokenizer.json")
     if tokenizer and os.path.exists(tp):

@@ -24,6 +24,10 @@ the groups maps 1:1 onto ``nnx.state(model)``. Encodings (sidecar ``params[key][
   code is twice the e2m1 value (lossless: -12..12), the ``<key minus .weight>.scale`` entry holds
   the ue8m0 byte of every 32 consecutive inputs ``[E, out, in/32]``; the value is
   ``code/2 * 2^(scale-127)``. ``restore_model`` dequantizes it on the devices.
+* ``fp8_e4m3`` + ``e8m0_rows``: a dense Linear kept fp8 (``--dense fp8``): the checkpoint's
+  float8_e4m3fn codes ``[out, in]``, and in ``<key minus .weight>.scale`` the ue8m0 byte of each
+  32x32 block repeated along ``out``, ``[out, in/32]`` (the in-memory layout of ``Linear.set_fp8``).
+  ``restore_model(dense_fp8=True)`` keeps both; otherwise it dequantizes on the devices.
 
 Writing streams: every array is a ``LazyArray`` that produces slabs of rows along axis 0 on
 demand, and a ``NumpyHandler`` subclass writes slab after slab into the tensorstore array Orbax
@@ -55,6 +59,9 @@ _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 _VISION_RE = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)")
 _EXPERT_KEY_RE = re.compile(r"^(layers\.\d+\.ffn\.experts\.w[123])\.(weight|scale)$")
 _ENGRAM_TABLE_KEY_RE = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
+FP8_WEIGHT_ENC = "fp8_e4m3"  # dense Linear codes [out, in] (float8_e4m3fn)
+FP8_SCALE_ENC = "e8m0_rows"  # its ue8m0 bytes [out, in/32] (32x32 block scale repeated along out)
+SCALE_ENCODINGS = ("e8m0_per32", FP8_SCALE_ENC)  # stored next to their weight, restored with it
 
 
 class CheckpointError(ValueError):
@@ -134,14 +141,16 @@ def quantized_flags(model) -> dict[str, bool]:
 
 
 def abstract_model(config, numerics, *, engram_quantized: bool = False, text_only: bool = False,
-                   experts_int8: bool = False):
-    """A DeepseekV41 whose arrays are ShapeDtypeStructs (nothing allocated)."""
+                   experts_int8: bool = False, dense_fp8=()):
+    """A DeepseekV41 whose arrays are ShapeDtypeStructs (nothing allocated). ``dense_fp8``: names
+    of the Linear modules held as fp8 codes + scales (see ``DeepseekV41``)."""
     from flax import nnx
 
     from dsv41_jax.model.lm import DeepseekV41
 
     return nnx.eval_shape(lambda: DeepseekV41(config, numerics, engram_quantized=engram_quantized,
-                                              text_only=text_only, experts_int8=experts_int8))
+                                              text_only=text_only, experts_int8=experts_int8,
+                                              dense_fp8=tuple(dense_fp8)))
 
 
 def flat_params(model) -> dict[str, tuple[tuple, Any]]:
@@ -444,6 +453,11 @@ def save_model(model, path: str, *, overwrite: bool = False, compress: bool = Fa
             enc = "e4m3"
         elif name.endswith(".engram.embed.scale"):
             enc = "e8m0"
+        elif name.endswith(".weight") and np.dtype(arr.dtype) == np.dtype("float8_e4m3fn"):
+            enc = FP8_WEIGHT_ENC  # a Linear in fp8 storage
+        elif name.endswith(".scale") and (name[: -len("scale")] + "weight") in flat \
+                and np.dtype(flat[name[: -len("scale")] + "weight"][1].get_value().dtype) == np.dtype("float8_e4m3fn"):
+            enc = FP8_SCALE_ENC
         g = group_of(name)
         groups.setdefault(g, {})[name] = lazy_from_array(arr)
         params[name] = {"group": g, "shape": list(arr.shape), "dtype": np.dtype(arr.dtype).name, "encoding": enc}
@@ -631,8 +645,22 @@ def _dequant_int8_experts(codes, scale, dtype, out_sharding):
     return _int8_dequantizer(np.dtype(dtype), out_sharding)(codes, scale)
 
 
+@functools.lru_cache(maxsize=64)
+def _fp8_dequantizer(dtype, out_sharding):
+    import jax
+
+    from dsv41_jax.model.layers import dequant_fp8_weight
+
+    return jax.jit(lambda c, s: dequant_fp8_weight(c, s, dtype), out_shardings=out_sharding)
+
+
+def _dequant_fp8_dense(codes, scale, dtype, out_sharding):
+    """fp8 codes [out, in] and ue8m0 bytes [out, in/32] -> ``dtype`` (exact), on the devices."""
+    return _fp8_dequantizer(np.dtype(dtype), out_sharding)(codes, scale)
+
+
 def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None, text_only: bool = False,
-                  restore_concurrent_gb: int | None = 4, experts_int8: bool = False):
+                  restore_concurrent_gb: int | None = 4, experts_int8: bool = False, dense_fp8: bool = False):
     """Restore a DeepseekV41 from a dsv41_jax checkpoint directory.
 
     The model is built abstractly (``nnx.eval_shape``), each parameter is restored into a
@@ -644,7 +672,9 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
     build and restore without the vision tower (its group is not read);
     ``restore_concurrent_gb``: Orbax's bound on bytes being read at once (host memory);
     ``experts_int8``: keep routed experts converted with ``--experts int8`` quantized in device
-    memory (codes + scales, dequantized per use) instead of dequantizing them at restore.
+    memory (codes + scales, dequantized per use) instead of dequantizing them at restore;
+    ``dense_fp8``: likewise keep Linear weights converted with ``--dense fp8`` as fp8 codes + ue8m0
+    scales (``Linear.set_fp8``); without it they are dequantized at restore (exact).
     """
     import jax
     import jax.numpy as jnp
@@ -661,8 +691,12 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
                               "(converted text-only); restore with text_only=True")
     if experts_int8 and not any(i.get("encoding") == "fp4x2_int8" for i in stored.values()):
         raise CheckpointError(f"{path}: experts_int8 needs a checkpoint converted with --experts int8")
+    fp8_names = sorted(n[: -len(".weight")] for n, i in stored.items() if i.get("encoding") == FP8_WEIGHT_ENC
+                       and not (text_only and i["group"] == "vision"))
+    if dense_fp8 and not fp8_names:
+        raise CheckpointError(f"{path}: dense_fp8 needs a checkpoint converted with --dense fp8")
     model = abstract_model(cfg, numerics, engram_quantized=bool(meta.get("engram_quantized")), text_only=text_only,
-                           experts_int8=experts_int8)
+                           experts_int8=experts_int8, dense_fp8=fp8_names if dense_fp8 else ())
     flags = meta.get("quantized", {})
     for name, mod in quantizable_modules(model):
         mod.quantized = bool(flags.get(name, False))
@@ -675,7 +709,7 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
         elif tuple(stored[name]["shape"]) != tuple(sds.shape):
             problems.append(f"parameter {name}: checkpoint shape {stored[name]['shape']} != model {list(sds.shape)}")
     for name, info in stored.items():
-        if name in flat or info.get("encoding") == "e8m0_per32":
+        if name in flat or info.get("encoding") in SCALE_ENCODINGS:
             continue
         if text_only and info["group"] == "vision":
             continue
@@ -694,13 +728,14 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
                 if info["group"] != g:
                     continue
                 enc = info.get("encoding", "float")
-                if enc == "e8m0_per32":
+                if enc == "e8m0_per32" or (enc == FP8_SCALE_ENC and name not in flat):
                     wname = name[: -len("scale")] + "weight"
                     shape, dt = tuple(info["shape"]), jnp.uint8
                     sh = _scale_sharding(targets[wname][1], shape)
                 else:
                     shape, sh = targets[name]
-                    dt = jnp.int8 if enc == "fp4x2_int8" else flat[name][1].get_value().dtype
+                    dt = {"fp4x2_int8": jnp.int8, FP8_WEIGHT_ENC: jnp.float8_e4m3fn,
+                          FP8_SCALE_ENC: jnp.uint8}.get(enc, flat[name][1].get_value().dtype)
                 item[name] = jax.ShapeDtypeStruct(shape, dt, sharding=sh)
                 args[name] = ocp.ArrayRestoreArgs(restore_type=jax.Array, sharding=sh, global_shape=shape, dtype=dt,
                                                   strict=tuple(shape) == tuple(info["shape"]))
@@ -713,6 +748,19 @@ def restore_model(path: str, numerics, *, config=None, mesh=None, shardings=None
                     continue
                 enc = info.get("encoding", "float")
                 if enc == "e8m0_per32":
+                    continue
+                if enc == FP8_SCALE_ENC:
+                    if name in flat:  # kept quantized: a model parameter itself
+                        restored[name] = res[name]
+                    continue
+                if enc == FP8_WEIGHT_ENC:
+                    sname = name[: -len("weight")] + "scale"
+                    if sname in flat:
+                        restored[name] = res[name]
+                    else:
+                        dt = flat[name][1].get_value().dtype
+                        restored[name] = _dequant_fp8_dense(res[name], res[sname], dt, targets[name][1])
+                        del res[sname]
                     continue
                 if enc == "fp4x2_int8":
                     sname = name[: -len("weight")] + "scale"
@@ -775,7 +823,7 @@ def info(path: str) -> dict:
     for name, p in meta["params"].items():
         n = math.prod(p["shape"])
         b = n * np.dtype(getattr(ml_dtypes, p["dtype"], p["dtype"])).itemsize
-        is_scale = p.get("encoding") in ("e8m0", "e8m0_per32")
+        is_scale = p.get("encoding") in ("e8m0",) + SCALE_ENCODINGS
         c = cats.setdefault(category_of(name), {"params": 0, "bytes": 0})
         c["bytes"] += b
         d = dts.setdefault(p["dtype"], {"arrays": 0, "elements": 0, "bytes": 0})

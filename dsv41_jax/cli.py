@@ -30,7 +30,8 @@ def cmd_make_tiny(a) -> int:
 def cmd_convert(a) -> int:
     from convert import convert_checkpoint
 
-    convert_checkpoint(a.src, a.dst, dtype=a.dtype, experts=a.experts, max_memory=a.max_memory, resume=a.resume)
+    convert_checkpoint(a.src, a.dst, dtype=a.dtype, experts=a.experts, dense=a.dense, max_memory=a.max_memory,
+                       resume=a.resume)
     return 0
 
 
@@ -59,6 +60,7 @@ def _load(a):
     import dsv41_jax
 
     return dsv41_jax.load(a.model, mesh=a.mesh, dtype=a.dtype, numerics=a.numerics, experts_int8=a.experts_int8,
+                          dense_fp8=a.dense_fp8,
                           vit_attention=a.vit_attention)
 
 
@@ -142,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="bf16", choices=["bf16", "float32"], help="dtype of dequantized weights")
     s.add_argument("--experts", default=None, choices=["bf16", "float32", "int8"],
                    help="routed experts: dequantized (default: --dtype) or int8 codes + ue8m0 scales (lossless from fp4)")
+    s.add_argument("--dense", default="dequantized", choices=["dequantized", "fp8"],
+                   help="fp8 Linear weights: dequantized (default) or e4m3 codes + ue8m0 scales (lossless)")
     s.add_argument("--max-memory", default="4GB", help="host memory budget for one conversion group")
     s.add_argument("--resume", action="store_true", help="continue an interrupted conversion")
     s.add_argument("--overwrite", action="store_true", help="replace an existing DST")
@@ -167,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reference: the official fake-quant points; fast: without them")
     s.add_argument("--experts-int8", action="store_true",
                    help="keep fp4 routed experts quantized in device memory (fp4 checkpoints or --experts int8 conversions)")
+    s.add_argument("--dense-fp8", action="store_true",
+                   help="keep fp8 Linear weights as e4m3 codes + ue8m0 scales in device memory (fp8 checkpoints or "
+                        "--dense fp8 conversions)")
     s.add_argument("--vit-attention", default="fp32", choices=["fp32", "bf16"],
                    help="vision tower: fp32 attention (parity path) or bf16 (performance mode, docs/vision.md)")
     s.add_argument("--stream", action="store_true", help="print tokens as they are generated")

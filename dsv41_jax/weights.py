@@ -12,6 +12,7 @@ import os
 import re
 from typing import Callable, Iterable
 
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -185,12 +186,68 @@ def _linear_modules(model):
 
 _EXPERT_TENSOR_RE = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.(weight|scale)$")
 
+# Linear modules the V4.1 release stores fp8 e4m3 with 32x32 ue8m0 block scales (decoder_spec
+# 10.1): attention q/kv/output projections, the indexer query projection, the shared experts and
+# the Engram key/value projection. ``dense_fp8`` loads take the list from the checkpoint itself;
+# this pattern is for building models without one (benchmarks, memory tables).
+RELEASE_FP8_LINEAR_RE = re.compile(
+    r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|engram\.wkv)$")
 
-def load_original(directory: str, numerics, *, text_only: bool = False, config=None, experts_int8: bool = False):
+
+def release_fp8_linears(model) -> list[str]:
+    """Names of the Linear modules of ``model`` that the release checkpoint stores fp8."""
+    from dsv41_jax.model.layers import Linear
+
+    return [path_to_name(p) for p, m in nnx.iter_graph(model)
+            if isinstance(m, Linear) and RELEASE_FP8_LINEAR_RE.match(path_to_name(p))]
+
+
+def fp8_linear_names(ck, model, block=(32, 32)) -> list[str]:
+    """The Linear modules of ``model`` (decoder only) that checkpoint ``ck`` stores F8_E4M3 with a
+    ``.scale`` and that fp8 storage can hold (in_features and the input block divisible by 32)."""
+    from dsv41_jax.model.layers import FP8_GROUP, Linear
+
+    out = []
+    for path, m in nnx.iter_graph(model):
+        name = path_to_name(path)
+        if not isinstance(m, Linear) or _VISION_RE.match(name):
+            continue
+        w = name + ".weight"
+        if w in ck and (name + ".scale") in ck and ck.info(w)[0] == "F8_E4M3" \
+                and m.in_features % FP8_GROUP == 0 and block[1] % FP8_GROUP == 0:
+            out.append(name)
+    return out
+
+
+def fp8_row_scales(sc, out_features: int, in_features: int, block=(32, 32), name: str = "") -> np.ndarray:
+    """Checkpoint block scales [ceil(out/Bo), ceil(in/Bi)] (ue8m0) -> the fp8 storage layout
+    [out, in/32] uint8 (row o, group j holds block (o // Bo, 32 j // Bi)). Refuses bytes outside
+    ``FP8_EXACT_SCALES`` (their values would not be exact normal bf16 numbers)."""
+    from dsv41_jax import quant
+    from dsv41_jax.model.layers import FP8_EXACT_SCALES, FP8_GROUP
+
+    u = quant.raw_u8(sc)
+    bo, bi = block
+    if u.shape != (-(-out_features // bo), -(-in_features // bi)):
+        raise WeightError(f"tensor {name}: shape {list(u.shape)} does not tile [{out_features}, {in_features}] "
+                          f"by {bo}x{bi}")
+    lo, hi = FP8_EXACT_SCALES
+    if u.size and (int(u.min()) < lo or int(u.max()) > hi):
+        raise WeightError(f"tensor {name}: scale bytes {int(u.min())}..{int(u.max())} outside {lo}..{hi}, where "
+                          "fp8 storage is exact; load without dense_fp8")
+    rows = np.repeat(u, bo, axis=0)[:out_features]
+    cols = np.repeat(rows, bi // FP8_GROUP, axis=1)[:, : in_features // FP8_GROUP]
+    return np.ascontiguousarray(cols)
+
+
+def load_original(directory: str, numerics, *, text_only: bool = False, config=None, experts_int8: bool = False,
+                  dense_fp8: bool = False):
     """Build a DeepseekV41 from an original-format DeepSeek checkpoint directory.
 
     ``experts_int8``: keep the release fp4 routed experts quantized in memory (int8 codes = 2 x
-    e2m1 value, plus the ue8m0 scale bytes), dequantized only where a computation reads them."""
+    e2m1 value, plus the ue8m0 scale bytes), dequantized only where a computation reads them.
+    ``dense_fp8``: keep the decoder's fp8 Linear weights as float8_e4m3fn codes + ue8m0 scale
+    bytes [out, in/32] (see ``Linear.set_fp8``), dequantized exactly inside each GEMM."""
     from dsv41_jax.config import ModelConfig
     from dsv41_jax.model.layers import Linear
     from dsv41_jax.model.lm import DeepseekV41
@@ -206,7 +263,14 @@ def load_original(directory: str, numerics, *, text_only: bool = False, config=N
         if not fp4 or not_fp4:
             raise WeightError(f"{directory}: experts_int8 needs fp4 routed experts (I8-packed with .scale); "
                               f"found {ck.info(not_fp4[0])[0] + ' in ' + not_fp4[0] if not_fp4 else 'none'}")
-    model = DeepseekV41(cfg, numerics, engram_quantized=eng_q, text_only=text_only, experts_int8=experts_int8)
+    fp8_names = ()
+    if dense_fp8:
+        fp8_names = fp8_linear_names(ck, nnx.eval_shape(lambda: DeepseekV41(cfg, numerics, text_only=True)), block)
+        if not fp8_names:
+            raise WeightError(f"{directory}: dense_fp8 needs fp8 (F8_E4M3 + .scale) Linear weights; found none")
+    model = DeepseekV41(cfg, numerics, engram_quantized=eng_q, text_only=text_only, experts_int8=experts_int8,
+                        dense_fp8=fp8_names)
+    fp8_tensors = {n + s_ for n in fp8_names for s_ in (".weight", ".scale")}
     # activation fake-quant where the checkpoint stores the weight fp8/fp4 (wo_a runs bf16)
     for name, mod in _linear_modules(model):
         if isinstance(mod, Linear):
@@ -214,11 +278,23 @@ def load_original(directory: str, numerics, *, text_only: bool = False, config=N
         else:
             mod.quantized = (name + ".0.w1.scale") in ck
     available = [n for n in ck.names
-                 if not n.endswith(".scale") or _RAW_RE.search(n) or (experts_int8 and _EXPERT_TENSOR_RE.search(n))]
+                 if not n.endswith(".scale") or _RAW_RE.search(n) or (experts_int8 and _EXPERT_TENSOR_RE.search(n))
+                 or n in fp8_tensors]
     if cfg.vision is None or text_only:
         available = [n for n in available if not _VISION_RE.match(n)]
 
     def get(name):
+        if name in fp8_tensors:
+            from dsv41_jax import quant
+
+            w = name[: -len("scale")] + "weight" if name.endswith(".scale") else name
+            o, i = ck.info(w)[1]
+            if name.endswith(".scale"):
+                return fp8_row_scales(ck.get(name), o, i, block, name)
+            codes = quant.raw_u8(ck.get(name))
+            if np.any((codes & 0x7F) == 0x7F):
+                raise WeightError(f"tensor {name}: contains NaN")
+            return codes.view(ml_dtypes.float8_e4m3fn)
         if experts_int8 and _EXPERT_TENSOR_RE.search(name):
             from dsv41_jax import quant
 
@@ -236,7 +312,7 @@ def load_original(directory: str, numerics, *, text_only: bool = False, config=N
         return dequantize_tensor(ck, name, block)
 
     def convert(name, arr, shape, dtype):
-        if _RAW_RE.search(name) or arr.dtype in (np.int8, np.uint8):
+        if _RAW_RE.search(name) or arr.dtype in (np.int8, np.uint8) or name in fp8_tensors:
             return arr
         return arr.astype(np.float32)
 
@@ -249,7 +325,7 @@ def load_original(directory: str, numerics, *, text_only: bool = False, config=N
     for n in ck.names:
         if n.endswith(".scale") and not _RAW_RE.search(n) and not any(r.match(n) for r in IGNORED):
             w = n[: -len("scale")] + "weight"
-            if experts_int8 and _EXPERT_TENSOR_RE.search(n):
+            if (experts_int8 and _EXPERT_TENSOR_RE.search(n)) or n in fp8_tensors:
                 continue  # consumed as a parameter
             if w not in ck and w not in expected:  # a missing model weight is reported as missing
                 stray.append(f"unexpected tensor {n} (no matching {w})")

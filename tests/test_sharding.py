@@ -69,16 +69,18 @@ def test_rules_cover_every_leaf_and_split_the_large_ones():
     from dsv41_jax.model.lm import DeepseekV41
     from dsv41_jax.numerics import REFERENCE_BF16
 
+    from dsv41_jax.weights import release_fp8_linears
+
     cfg = preset("v41-flash")
-    model = nnx.eval_shape(lambda: DeepseekV41(cfg, REFERENCE_BF16, engram_quantized=True, text_only=True))
+    plain = nnx.eval_shape(lambda: DeepseekV41(cfg, REFERENCE_BF16, engram_quantized=True, text_only=True))
+    # the release fp8 Linears in fp8 storage (dense_fp8): e4m3 codes + their ue8m0 ``scale`` leaves
+    model = nnx.eval_shape(lambda: DeepseekV41(cfg, REFERENCE_BF16, engram_quantized=True, text_only=True,
+                                               dense_fp8=release_fp8_linears(plain)))
     cache = jax.eval_shape(lambda: init_cache(cfg.text, 8, 65536, jax.numpy.bfloat16))
 
-    def bpe(name, dtype):  # the release formats: fp4 experts (+ ue8m0 per 32), fp8 linears (+ per 32x32)
+    def bpe(name, dtype):  # the release fp4 experts (+ ue8m0 per 32); everything else as stored
         if ".ffn.experts." in name:
             return 0.5 + 1 / 32
-        if name.endswith(".weight") and np.dtype(dtype).itemsize == 2 and ("attn." in name or "shared_experts" in name) \
-                and "norm" not in name:
-            return 1 + 1 / 1024
         return np.dtype(dtype).itemsize
 
     for spec in ((1, 8, 1), (1, 4, 2), (2, 4, 1)):

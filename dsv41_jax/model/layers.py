@@ -35,12 +35,90 @@ def matmul(x, w, out_dtype, compute_dtype=None):
     return y.astype(out_dtype)
 
 
+FP8_GROUP = 32  # inputs per ue8m0 scale byte in the fp8 storage mode (V4.1's 32x32 blocks)
+
+
+def dequant_fp8_weight(codes, scale, dtype):
+    """fp8 storage -> values: ``codes`` float8_e4m3fn [..., out, in], ``scale`` ue8m0 bytes
+    [..., out, in/32] (the 32x32 block scale repeated along ``out``) -> ``dtype``.
+
+    ``e4m3 * 2^(s-127)`` is formed in fp32 (exact: an e4m3 value has 4 significant bits) and cast
+    once to ``dtype``; for scale bytes in ``FP8_EXACT_SCALES`` the product is a normal, finite
+    number with at most 4 significant bits, so the cast to bf16 is exact too (the loaders refuse
+    other bytes). Traced inside the jitted caller, so only the GEMM operand is materialised.
+    """
+    from dsv41_jax.quant import e8m0_to_f32_jax
+
+    v = codes.astype(F32)
+    *lead, o, i = v.shape
+    s = e8m0_to_f32_jax(scale)
+    w = v.reshape(*lead, o, i // FP8_GROUP, FP8_GROUP) * s[..., None]
+    return w.reshape(*lead, o, i).astype(dtype)
+
+
+# e4m3 magnitudes are 2^-9 .. 448: with a scale byte s in this range every dequantized value is a
+# normal fp32 / bf16 number (>= 2^-126, no flush-to-zero) and finite in bf16 (<= 448 * 2^119)
+FP8_EXACT_SCALES = (10, 246)
+
+
+def _use_kernel() -> bool:
+    """``DSV41_KERNELS=pallas`` (default ``xla``; read at trace time, as the MoE does) on a GPU
+    backend routes fp8 Linears to the fused dequant-GEMM kernel."""
+    import os
+
+    kernels = os.environ.get("DSV41_KERNELS", "xla")
+    if kernels not in ("xla", "pallas"):
+        raise ValueError(f"DSV41_KERNELS={kernels!r}: use xla or pallas")
+    return kernels == "pallas" and jax.default_backend() == "gpu"
+
+
+def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
+    """``fp8_matmul`` through ``dsv41_jax.kernels.grouped_qmatmul`` (one group, G=1): the codes
+    are dequantized in registers, never written out. Same operands and rounding points as the
+    XLA path (the kernel's compute dtype is the one ``matmul`` would use); only the fp32
+    summation order differs. Up to 16 rows form one row block (decode: one read of the weight),
+    more rows are cut into 64-row blocks."""
+    from dsv41_jax.kernels import grouped_qmatmul
+
+    cd = out_dtype if compute_dtype is None else compute_dtype
+    if cd == F32 and x.dtype == jnp.bfloat16 and weight_dtype == jnp.bfloat16:
+        cd = jnp.bfloat16  # bf16 x bf16 products are exact in fp32: matmul's bf16 GEMM, fp32 accumulation
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K).astype(cd)
+    R = x2.shape[0]
+    bm = max(R, 1) if R <= 16 else 64
+    pad = -R % bm
+    if pad:
+        x2 = jnp.pad(x2, ((0, pad), (0, 0)))
+    nb = (R + pad) // bm
+    y = grouped_qmatmul(x2, jnp.zeros((nb,), jnp.int32), nb, codes, scale, bm=bm, out_dtype=out_dtype)
+    return y[:R].reshape(*lead, codes.shape[0])
+
+
+def fp8_matmul(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
+    """``x @ W.T`` for an fp8-stored weight (codes [out, in] + ue8m0 bytes [out, in/32]).
+
+    The one call site of the fused dequant-GEMM kernel: ``DSV41_KERNELS=pallas`` on a GPU runs
+    ``fp8_matmul_kernel``. The default XLA path dequantizes to ``weight_dtype`` (the dtype the
+    bf16 loader would have stored) and runs the plain ``matmul``: bit-identical to the model
+    loaded with dequantized weights."""
+    if _use_kernel():
+        return fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype)
+    w = dequant_fp8_weight(codes, scale, weight_dtype)
+    return matmul(x, w, out_dtype, compute_dtype=compute_dtype)
+
+
 class Linear(nnx.Module):
     """Bias-free (optionally biased) linear layer holding ``weight`` as [out, in].
 
     ``quantized`` records that the checkpoint stored this weight fp8/fp4; in ``reference``
     numerics the activation then goes through the fp8 per-32 fake quantization first, exactly
     as the official fp8 GEMM path does.
+
+    fp8 storage (``set_fp8()``, chosen at load time with ``dense_fp8``): ``weight`` holds the
+    checkpoint's float8_e4m3fn codes [out, in] and ``scale`` the ue8m0 bytes [out, in/32] (the
+    32x32 block scale repeated along ``out``); ``values()`` dequantizes exactly, so results equal
+    those of the dequantized (bf16) weight bit for bit.
     """
 
     def __init__(self, in_features: int, out_features: int, *, numerics: Numerics, param_dtype=None,
@@ -49,24 +127,65 @@ class Linear(nnx.Module):
         self.numerics = numerics
         self.quantized = quantized
         pd = numerics.dtype if param_dtype is None else param_dtype
+        self.param_dtype = pd
+        self.fp8 = False
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), pd))
+        self.scale = None
         self.bias = nnx.Param(jnp.zeros((out_features,), pd)) if bias else None
+
+    def set_fp8(self):
+        """Switch to fp8 storage (zero codes, scale bytes 127); the loaders fill the values."""
+        if self.in_features % FP8_GROUP:
+            raise ValueError(f"fp8 storage needs in_features divisible by {FP8_GROUP}, got {self.in_features}")
+        self.fp8 = True
+        self.weight = nnx.Param(jnp.zeros((self.out_features, self.in_features), jnp.float8_e4m3fn))
+        ones = jnp.full((self.out_features, self.in_features // FP8_GROUP), 127, jnp.uint8)  # 2^0
+        self.scale = nnx.data(nnx.Param(ones))  # (``scale`` started as static None)
+
+    def values(self, dtype=None):
+        """The weight [out, in] in ``dtype`` (default: the dtype a dequantized load stores)."""
+        dt = self.param_dtype if dtype is None else dtype
+        if self.fp8:
+            return dequant_fp8_weight(self.weight[...], self.scale[...], dt)
+        w = self.weight[...]
+        return w if dtype is None else w.astype(dt)
+
+    def _matmul(self, x, od, cd):
+        if self.fp8:
+            return fp8_matmul(x, self.weight[...], self.scale[...], od, cd, self.param_dtype)
+        return matmul(x, self.weight[...], od, compute_dtype=cd)
 
     def __call__(self, x, out_dtype=None, compute_dtype=None):
         od = self.numerics.dtype if out_dtype is None else out_dtype
         if self.quantized and self.numerics.fake_quant:
             from dsv41_jax.quant import act_quant_fp8
 
-            w = self.weight[...]
             # e4m3 x power-of-two values are exact in bf16, so a bf16 weight keeps the bf16 GEMM
             # (fp32 accumulation) with the same products as the reference's fp32 block GEMM
-            x = act_quant_fp8(x.astype(F32), 32).astype(w.dtype)
-            y = matmul(x, w, od, compute_dtype=F32)
+            x = act_quant_fp8(x.astype(F32), 32).astype(self.param_dtype if self.fp8 else self.weight.get_value().dtype)
+            y = self._matmul(x, od, F32)
         else:
-            y = matmul(x, self.weight[...], od, compute_dtype=compute_dtype)
+            y = self._matmul(x, od, compute_dtype)
         if self.bias is not None:
             y = (y.astype(F32) + self.bias[...].astype(F32)).astype(od)
         return y
+
+
+def set_fp8_storage(model, names) -> list[str]:
+    """Switch the Linear modules of ``model`` named in ``names`` (dot-joined NNX paths, e.g.
+    ``layers.3.attn.wq_a``) to fp8 storage. Returns the names switched; unknown names raise."""
+    want = set(names)
+    done = []
+    found = [(".".join(str(p) for p in path), mod) for path, mod in nnx.iter_graph(model)
+             if isinstance(mod, Linear)]
+    for name, mod in found:
+        if name in want:
+            mod.set_fp8()
+            done.append(name)
+    missing = want - set(done)
+    if missing:
+        raise ValueError(f"dense_fp8: no Linear module named {sorted(missing)[:5]}")
+    return done
 
 
 def rms_norm(x, weight, eps: float):

@@ -8,7 +8,7 @@ from flax import nnx
 from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.decoder import Block
-from dsv41_jax.model.layers import RMSNorm, matmul
+from dsv41_jax.model.layers import RMSNorm, matmul, set_fp8_storage
 from dsv41_jax.model.mhc import hc_pre
 from dsv41_jax.numerics import Numerics
 
@@ -33,7 +33,9 @@ class Head(nnx.Module):
 
 class DeepseekV41(nnx.Module):
     def __init__(self, config: ModelConfig, numerics: Numerics, *, engram_quantized: bool = False,
-                 text_only: bool = False, experts_int8: bool = False):
+                 text_only: bool = False, experts_int8: bool = False, dense_fp8=()):
+        """``dense_fp8``: names (dot-joined NNX paths, e.g. ``layers.3.attn.wq_a``) of the Linear
+        modules that hold fp8 codes + ue8m0 scales instead of dequantized weights."""
         self.config = config
         self.numerics = numerics
         t = config.text
@@ -61,6 +63,8 @@ class DeepseekV41(nnx.Module):
         else:
             self.vision = self.aligner = None
             self.image_start = self.image_newline = self.image_end = None
+        if dense_fp8:
+            set_fp8_storage(self, dense_fp8)
 
     # ------------------------------------------------------------------
     def init_cache(self, batch: int, max_len: int):

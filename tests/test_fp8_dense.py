@@ -1,0 +1,333 @@
+"""Dense Linear weights kept fp8 in memory (float8_e4m3fn codes + ue8m0 scale bytes [out, in/32]):
+exactly the dequantized model's results (prefill and decode logits, both numerics), from the
+original checkpoint and from an Orbax checkpoint converted with ``--dense fp8``; the layout, the
+exact-range guard, and the partition rules of the new ``scale`` leaves."""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from dsv41_jax import quant
+from dsv41_jax.model.layers import Linear, dequant_fp8_weight
+from dsv41_jax.numerics import Numerics
+from dsv41_jax.weights import WeightError, fp8_row_scales, load_original
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+FP8 = os.path.join(GOLDEN, "image_fp8")
+QUIET = dict(progress=False, log=lambda *a, **k: None)
+
+
+def _flat(m):
+    return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(m, nnx.Param))}
+
+
+def _bytes(m):
+    return sum(x.nbytes for x in _flat(m).values())
+
+
+def _assert_same(x, y, msg=""):
+    """Same dtype and bits (1-byte dtypes compared as raw bytes)."""
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype, (msg, x.dtype, y.dtype)
+    if x.dtype.itemsize == 1:
+        x, y = x.view(np.uint8), y.view(np.uint8)
+    np.testing.assert_array_equal(x, y, err_msg=msg)
+
+
+def _fp8_linears(m):
+    return {".".join(map(str, p)): mod for p, mod in nnx.iter_graph(m) if isinstance(mod, Linear) and mod.fp8}
+
+
+# ------------------------------------------------------------------------------ layout / exactness
+def test_row_scales_and_dequant_equal_the_block_decoder():
+    rng = np.random.default_rng(0)
+    o, i = 96, 128
+    codes = rng.integers(0, 256, (o, i), dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+    w8 = codes.view(ml_dtypes.float8_e4m3fn)
+    for block, lo, hi in (((32, 32), 10, 246), ((32, 32), 100, 140), ((64, 128), 90, 130)):
+        sc = rng.integers(lo, hi + 1, (-(-o // block[0]), -(-i // block[1])), dtype=np.uint8)
+        sc.flat[0], sc.flat[-1] = lo, hi  # the ends of the exact range
+        rows = fp8_row_scales(sc, o, i, block)
+        assert rows.shape == (o, i // 32) and rows.dtype == np.uint8
+        want = quant.dequant_fp8_blocks(w8, sc, block=block)  # fp32, exact (numpy)
+        for dt in (jnp.float32, jnp.bfloat16):
+            got = jax.jit(dequant_fp8_weight, static_argnums=2)(jnp.asarray(w8), jnp.asarray(rows), dt)
+            # the value is exact in bf16 as well: converting the exact fp32 value gives the same bits
+            np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want.astype(dt).astype(np.float32))
+            np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+    for bad in (9, 247):
+        with pytest.raises(WeightError, match="outside 10..246"):
+            fp8_row_scales(np.full((3, 4), bad, np.uint8), o, i)
+
+
+def test_kernel_route(monkeypatch):
+    """``DSV41_KERNELS=pallas`` on a GPU backend sends fp8 Linears to ``grouped_qmatmul`` (G=1);
+    here the Pallas interpreter stands in for the GPU: same values up to fp32 summation order,
+    for decode-sized (one row block) and prefill-sized (64-row blocks, padded) inputs."""
+    from dsv41_jax.model import layers
+
+    rng = np.random.default_rng(2)
+    lin = Linear(96, 64, numerics=Numerics("bfloat16", "fast"))
+    lin.set_fp8()
+    c = rng.integers(0, 256, (64, 96), dtype=np.uint8)
+    c[(c & 0x7F) == 0x7F] = 0
+    lin.weight.set_value(jnp.asarray(c.view(ml_dtypes.float8_e4m3fn)))
+    lin.scale.set_value(jnp.asarray(rng.integers(110, 130, (64, 3), dtype=np.uint8)))
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    for rows in (3, 70):
+        x = jnp.asarray(rng.standard_normal((1, rows, 96)), jnp.bfloat16)
+        monkeypatch.setenv("DSV41_KERNELS", "xla")
+        want = np.asarray(lin(x, out_dtype=jnp.float32), np.float32)
+        monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+        monkeypatch.setenv("DSV41_KERNELS", "pallas")
+        assert layers._use_kernel()
+        got = np.asarray(lin(x, out_dtype=jnp.float32), np.float32)
+        monkeypatch.undo()
+        monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+# ------------------------------------------------------------------------------ original checkpoint
+@pytest.fixture(scope="module")
+def pairs():
+    return {}
+
+
+def _pair(pairs, numerics):
+    if numerics not in pairs:
+        pairs[numerics] = (load_original(FP8, numerics, text_only=True),
+                           load_original(FP8, numerics, text_only=True, dense_fp8=True))
+    return pairs[numerics]
+
+
+def test_fp8_storage_layout_and_bytes(pairs):
+    a, b = _pair(pairs, Numerics("bfloat16", "reference"))
+    lin = _fp8_linears(b)
+    # every Linear the checkpoint stores fp8 (wo_a included: run as a bf16 grouped einsum, exact value)
+    assert set(lin) == {n[: -len(".scale")] for n in _checkpoint_scales()} and any(n.endswith("attn.wo_a") for n in lin) and any("shared_experts" in n for n in lin)
+    assert any(n.endswith("engram.wkv") for n in lin) and any(n.endswith("indexer.wq_b") for n in lin)
+    fa, fb = _flat(a), _flat(b)
+    for n, mod in lin.items():
+        assert fb[n + ".weight"].dtype == jnp.float8_e4m3fn and fb[n + ".scale"].dtype == jnp.uint8
+        assert fb[n + ".scale"].shape == (mod.out_features, mod.in_features // 32)
+        np.testing.assert_array_equal(np.asarray(mod.values()), np.asarray(fa[n + ".weight"]), err_msg=n)
+        assert mod.quantized == _module(a, n).quantized
+    # untouched: head, embeddings, norms, router, compressor (bf16 in the checkpoint)
+    for n in ("head.weight", "embed.weight", "norm.weight", "layers.1.ffn.gate.weight",
+              "layers.1.attn.compressor.wkv.weight"):
+        assert fb[n].dtype == fa[n].dtype
+    assert _bytes(b) < _bytes(a)
+
+
+def _checkpoint_scales():
+    from dsv41_jax.safetensors_io import Checkpoint
+
+    ck = Checkpoint(FP8)
+    return [n for n in ck.names if n.endswith(".scale") and ck.info(n[:-5] + "weight")[0] == "F8_E4M3"
+            and ".engram.embed." not in n]
+
+
+def _module(m, name):
+    for p, mod in nnx.iter_graph(m):
+        if ".".join(map(str, p)) == name:
+            return mod
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("mode", ["reference", "fast"])
+def test_dense_fp8_logits_identical(pairs, mode):
+    """bf16 compute: prefill logits and one decode step's logits are bit-identical."""
+    from dsv41_jax.generate import forward_chunk
+
+    a, b = _pair(pairs, Numerics("bfloat16", mode))
+    ids = jnp.asarray(np.random.default_rng(1).integers(3, 240, (1, 11)), jnp.int32)
+    out = []
+    for m in (a, b):
+        cache = m.init_cache(1, 16)
+        lp, cache = forward_chunk(m, ids, cache)
+        ld = None
+        if mode == "reference":  # decode against the prefilled cache (the other mode: prefill only)
+            ld, _ = forward_chunk(m, jnp.argmax(lp[:, -1:], -1).astype(jnp.int32), cache)
+        out.append((lp, ld))
+    np.testing.assert_array_equal(np.asarray(out[0][0]), np.asarray(out[1][0]))
+    if mode == "reference":
+        np.testing.assert_array_equal(np.asarray(out[0][1]), np.asarray(out[1][1]))
+
+
+def test_dense_fp8_needs_fp8_weights():
+    with pytest.raises(WeightError, match="dense_fp8"):
+        load_original(os.path.join(GOLDEN, "text_bf16"), Numerics("bfloat16", "fast"), dense_fp8=True)
+
+
+# ------------------------------------------------------------------------------ Orbax round trip
+def test_convert_dense_fp8_then_restore(tmp_path):
+    from convert import convert_checkpoint
+    from dsv41_jax.checkpoint import CheckpointError, info, read_meta, restore_model
+
+    num = Numerics("bfloat16", "reference")
+    dst = str(tmp_path / "fp8")
+    rep = convert_checkpoint(FP8, dst, dense="fp8", experts="int8", text_only=True, **QUIET)
+    assert rep["dense"] == "fp8"
+    meta = read_meta(dst)
+    encs = {k: v["encoding"] for k, v in meta["params"].items()}
+    assert encs["layers.0.attn.wq_a.weight"] == "fp8_e4m3" and encs["layers.0.attn.wq_a.scale"] == "e8m0_rows"
+    assert encs["layers.1.attn.compressor.wkv.weight"] == "float"  # bf16 in the checkpoint
+    info(dst)  # the summary reads the new encodings
+    q = restore_model(dst, num, text_only=True, dense_fp8=True, experts_int8=True)
+    ref = load_original(FP8, num, text_only=True, dense_fp8=True, experts_int8=True)
+    fq, fr = _flat(q), _flat(ref)
+    assert fq.keys() == fr.keys()
+    for n in fr:
+        _assert_same(fq[n], fr[n], n)
+    assert set(_fp8_linears(q)) == set(_fp8_linears(ref))
+    # without the flag the same checkpoint restores dequantized, equal to the plain loader
+    d = restore_model(dst, num, text_only=True)
+    plain = _flat(load_original(FP8, num, text_only=True))
+    fd = _flat(d)
+    assert fd.keys() == plain.keys()
+    for n in plain:
+        _assert_same(fd[n], plain[n], n)
+    # an in-memory fp8 model saves and restores as the same encodings
+    from dsv41_jax.checkpoint import save_model
+
+    ref = load_original(FP8, num, text_only=True, dense_fp8=True)
+    again = save_model(ref, str(tmp_path / "saved"), tokenizer_dir=FP8)
+    assert read_meta(again)["params"]["layers.0.attn.wq_a.scale"]["encoding"] == "e8m0_rows"
+    fr, fs = _flat(ref), _flat(restore_model(again, num, text_only=True, dense_fp8=True))
+    assert fs.keys() == fr.keys()
+    for n in fr:
+        _assert_same(fs[n], fr[n], n)
+    with pytest.raises(CheckpointError, match="--dense fp8"):
+        bf16 = str(tmp_path / "bf16")
+        convert_checkpoint(FP8, bf16, text_only=True, **QUIET)
+        restore_model(bf16, num, text_only=True, dense_fp8=True)
+
+
+def test_api_and_cli_flags(monkeypatch):
+    import dsv41_jax
+    from dsv41_jax import cli
+
+    m = dsv41_jax.load(FP8, text_only=True, dense_fp8=True, tokenizer=False)
+    assert _fp8_linears(m.model)
+    args = cli.build_parser().parse_args(["generate", "m", "p", "--dense-fp8"])
+    seen = {}
+    monkeypatch.setattr(dsv41_jax, "load", lambda path, **kw: seen.update(kw))
+    cli._load(args)
+    assert seen["dense_fp8"] is True
+    assert cli.build_parser().parse_args(["convert", "s", "d", "--dense", "fp8"]).dense == "fp8"
+    from convert.__main__ import _convert_parser
+
+    assert _convert_parser().parse_args(["s", "d", "--dense", "fp8"]).dense == "fp8"
+
+
+# ------------------------------------------------------------------------------ sharding rules
+def test_release_fp8_scales_shard_like_their_weights():
+    """V4.1-Flash with the release fp8 Linears in fp8 storage: every new ``scale`` leaf has a rule
+    and is split like its weight on the out dim (and on the in dim where the weight's split
+    divides in/32); the per-device bytes of the dense weights drop to ~1.03/2."""
+    from dsv41_jax import sharding as shd
+    from dsv41_jax.config import preset
+    from dsv41_jax.model.lm import DeepseekV41
+    from dsv41_jax.numerics import REFERENCE_BF16
+    from dsv41_jax.weights import release_fp8_linears
+
+    cfg = preset("v41-flash")
+    plain = nnx.eval_shape(lambda: DeepseekV41(cfg, REFERENCE_BF16, engram_quantized=True, text_only=True))
+    names = release_fp8_linears(plain)
+    assert len(names) == sum(8 + p.owns_indexer + p.has_engram for p in cfg.text.layers)
+    kinds = {n.split(".", 2)[2] for n in names}
+    assert kinds == {"attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
+                     "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3", "engram.wkv"}
+    fp8 = nnx.eval_shape(lambda: DeepseekV41(cfg, REFERENCE_BF16, engram_quantized=True, text_only=True,
+                                             dense_fp8=names))
+
+    class _Mesh:
+        def __init__(self, spec):
+            self.shape = dict(zip(shd.AXES, spec))
+
+    for spec in ((1, 8, 1), (1, 4, 2), (1, 1, 8)):
+        mesh = _Mesh(spec)
+        pl = {p.name: p for p in shd.param_placements(fp8, mesh, strict=False)}
+        assert all(p.logical is not None for p in pl.values())
+        for n in names:
+            w, s = pl[n + ".weight"], pl[n + ".scale"]
+            assert s.shape[0] == w.shape[0] and s.shape[1] * 32 == w.shape[1]
+            ws, ss = tuple(w.spec) + (None,) * 2, tuple(s.spec) + (None,) * 2
+            assert ss[0] == ws[0], (n, spec, w.spec, s.spec)
+            assert ss[1] in (ws[1], None), (n, spec, w.spec, s.spec)
+        rows_a = shd.shardings_table(plain, mesh)
+        rows_b = shd.shardings_table(fp8, mesh)
+        dense = lambda rows: sum(r["bytes_per_device"] for r in rows  # noqa: E731
+                                 if any(r["name"].startswith(n + ".") for n in names))
+        assert dense(rows_b) < 0.52 * dense(rows_a)
+
+
+# ------------------------------------------------------------------------------ sharded (2 CPU devices)
+def test_sharded_restore_and_matmuls_on_2_devices(tmp_path):
+    """Child process with 2 simulated CPU devices, mesh (1,1,2): an Orbax ``--dense fp8``
+    checkpoint restored straight onto the mesh keeps codes and scales, each scale split like its
+    weight's out dim, and the sharded fp8 Linears (column- and row-parallel) give the bf16 model's
+    bits."""
+    import json
+    import subprocess
+    import sys
+
+    from convert import convert_checkpoint
+
+    dst = str(tmp_path / "fp8")
+    convert_checkpoint(FP8, dst, dense="fp8", text_only=True, **QUIET)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), dst], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0 and "RESULT " in p.stdout, p.stdout[-3000:] + p.stderr[-5000:]
+    res = json.loads(p.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert res["n_fp8"] > 0 and res["split_scales"] > 0 and not res["bad"], res
+
+
+def _child(dst):
+    import json
+
+    from dsv41_jax.checkpoint import restore_model
+    from dsv41_jax.sharding import make_mesh, shard_model, use_mesh
+
+    assert len(jax.devices()) >= 2
+    mesh = make_mesh(1, 1, 2)
+    num = Numerics("bfloat16", "reference")
+    q = restore_model(dst, num, text_only=True, dense_fp8=True, mesh=mesh)
+    ref = shard_model(load_original(FP8, num, text_only=True), mesh)
+    lin_q, flat_r = _fp8_linears(q), _flat(ref)
+    bad, split = [], 0
+    x = jax.random.normal(jax.random.key(0), (3, 5, 256)).astype(jnp.bfloat16)
+    with use_mesh(mesh):
+        for n, mod in lin_q.items():
+            w, s = mod.weight.get_value(), mod.scale.get_value()
+            ws, ss = tuple(w.sharding.spec) + (None, None), tuple(s.sharding.spec) + (None, None)
+            if ws[0] != ss[0]:
+                bad.append(f"{n}: weight {w.sharding.spec} scale {s.sharding.spec}")
+            split += ss[0] is not None or ss[1] is not None
+            if not np.array_equal(np.asarray(mod.values()).astype(np.float32),
+                                  np.asarray(flat_r[n + ".weight"]).astype(np.float32)):
+                bad.append(f"{n}: values differ")
+            r = _module(ref, n)
+            xi = x[..., : mod.in_features]
+            yq = nnx.jit(lambda m, v: m(v))(mod, xi)
+            yr = nnx.jit(lambda m, v: m(v))(r, xi)
+            if not np.array_equal(np.asarray(yq).astype(np.float32), np.asarray(yr).astype(np.float32)):
+                bad.append(f"{n}: sharded matmul differs")
+    print("RESULT " + json.dumps({"n_fp8": len(lin_q), "split_scales": int(split), "bad": bad}))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _child(sys.argv[1])
