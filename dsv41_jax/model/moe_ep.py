@@ -103,26 +103,37 @@ class _Local:
             return self.a.shape
 
     class _P:
-        int8 = False
+        """One local projection: float weights, or int8 codes + ue8m0 scales (``scale`` given)."""
 
-        def __init__(self, a):
+        def __init__(self, a, scale=None):
             self.weight = _Local._W(a)
+            self.scale = scale
+            self.int8 = scale is not None
 
         def values(self, dtype):
+            if self.int8:
+                from dsv41_jax.model.moe import StackedWeight
+
+                return StackedWeight._dequant(self.weight.a, self.scale, dtype)
             return self.weight.a.astype(dtype)
 
         def take(self, ids, dtype):
+            if self.int8:
+                from dsv41_jax.model.moe import StackedWeight
+
+                return StackedWeight._dequant(self.weight.a[ids], self.scale[ids], dtype)
             return self.weight.a[ids].astype(dtype)
 
     class _E:
         pass
 
     def __init__(self, moe, w1, w3, w2):
+        """``w1``, ``w3``, ``w2``: local projections (``_Local._P``)."""
         self.numerics, self.limit, self.gate = moe.numerics, moe.limit, moe.gate
-        self.n_experts = w1.shape[0]
+        self.n_experts = w1.weight.shape[0]
         self.experts = _Local._E()
         self.experts.quantized = moe.experts.quantized
-        self.experts.w1, self.experts.w3, self.experts.w2 = _Local._P(w1), _Local._P(w3), _Local._P(w2)
+        self.experts.w1, self.experts.w3, self.experts.w2 = w1, w3, w2
 
     def __getattr__(self, name):  # MoE methods (routed_*, _aq, _path) bound to this view
         from dsv41_jax.model.moe import MoE
@@ -150,6 +161,8 @@ def plan(moe, mesh, n_tokens: int):
     split = tp > 1 and I % tp == 0
     if split and fq and I % QUANT_BLOCK == 0 and (I // tp) % QUANT_BLOCK:
         split = False  # a split would cut the activation fake-quant blocks of h
+    if split and moe.experts.w2.int8 and (I // tp) % 32:
+        split = False  # int8 experts: w2's per-32 scale blocks along the intermediate must stay whole
     tok = "data" if dp > 1 and n_tokens % dp == 0 else None
     k = moe.gate.k
     if n_tokens * k < E:  # same decision as the unsharded MoE
@@ -157,7 +170,7 @@ def plan(moe, mesh, n_tokens: int):
     t_local = n_tokens // dp if tok else n_tokens
     path = "dense"
     if hasattr(moe, "_path"):
-        view = _Local(moe, *(jax.ShapeDtypeStruct((E // ep,) + tuple(w.shape[1:]), w.dtype)
+        view = _Local(moe, *(_Local._P(jax.ShapeDtypeStruct((E // ep,) + tuple(w.shape[1:]), w.dtype))
                              for w in (moe.experts.w1.weight, moe.experts.w3.weight, moe.experts.w2.weight)))
         path = view._path(t_local, k)
     if path not in ("gather", "dense") and split and moe.numerics.dtype != F32:
@@ -166,12 +179,15 @@ def plan(moe, mesh, n_tokens: int):
 
 
 # ------------------------------------------------------------------------------------ body
-def _local(moe, split: bool, path: str, x, w, ids, w1, w3, w2):
-    """One device: x [t, D], w/ids [t, k]; w1/w3 [E_l, I_l, D], w2 [E_l, D, I_l]."""
+def _local(moe, split: bool, path: str, x, w, ids, *ws):
+    """One device: x [t, D], w/ids [t, k]; ``ws`` = w1/w3 [E_l, I_l, D], w2 [E_l, D, I_l] (+ their
+    ue8m0 scales [E_l, I_l, D/32], [E_l, D, I_l/32] for int8 experts: dequantized here, only
+    where read)."""
     from dsv41_jax.model.moe import swiglu
 
     dt = moe.numerics.dtype
-    El = w1.shape[0]
+    p1, p3, p2 = (_Local._P(ws[i], ws[i + 3] if len(ws) == 6 else None) for i in range(3))
+    El = p1.weight.shape[0]
     lid = ids - jax.lax.axis_index("expert") * El
     local = (lid >= 0) & (lid < El)
     wl = jnp.where(local, w, 0.0).astype(F32)
@@ -180,25 +196,25 @@ def _local(moe, split: bool, path: str, x, w, ids, w1, w3, w2):
         # weight 0 (an exact zero contribution). Its rounding of each expert output happens
         # inside, so this path is only planned when that rounding commutes with the "tensor"
         # reduction (fp32, or no split).
-        y = getattr(_Local(moe, w1, w3, w2), "routed_" + path)(x, wl, jnp.clip(lid, 0, El - 1))
+        y = getattr(_Local(moe, p1, p3, p2), "routed_" + path)(x, wl, jnp.clip(lid, 0, El - 1))
         return jax.lax.psum(y, ("expert", "tensor") if split else ("expert",))
     gather = path == "gather"
     xa, cd = moe._aq(x)
     dot = functools.partial(jnp.einsum, precision=HIGHEST, preferred_element_type=F32)
     if gather:
         sel = jnp.clip(lid, 0, El - 1)
-        g = dot("td,tkid->tki", xa.astype(cd), w1[sel].astype(cd)).astype(dt)
-        u = dot("td,tkid->tki", xa.astype(cd), w3[sel].astype(cd)).astype(dt)
+        g = dot("td,tkid->tki", xa.astype(cd), p1.take(sel, cd)).astype(dt)
+        u = dot("td,tkid->tki", xa.astype(cd), p3.take(sel, cd)).astype(dt)
         h = (wl[..., None] * swiglu(g, u, moe.limit)).astype(dt)
         ha, cd = moe._aq(h)
-        y = dot("tki,tkdi->tkd", ha.astype(cd), w2[sel].astype(cd))
+        y = dot("tki,tkdi->tkd", ha.astype(cd), p2.take(sel, cd))
     else:
         full = jnp.sum(jax.nn.one_hot(lid, El, dtype=F32) * wl[..., None], axis=-2)  # [t, E_l]
-        g = dot("td,eid->tei", xa.astype(cd), w1.astype(cd)).astype(dt)
-        u = dot("td,eid->tei", xa.astype(cd), w3.astype(cd)).astype(dt)
+        g = dot("td,eid->tei", xa.astype(cd), p1.values(cd)).astype(dt)
+        u = dot("td,eid->tei", xa.astype(cd), p3.values(cd)).astype(dt)
         h = (full[..., None] * swiglu(g, u, moe.limit)).astype(dt)
         ha, cd = moe._aq(h)
-        y = dot("tei,edi->ted", ha.astype(cd), w2.astype(cd))
+        y = dot("tei,edi->ted", ha.astype(cd), p2.values(cd))
     axes = ("expert",)
     if split:
         if dt == F32:  # rounding to fp32 is the identity: reduce after the expert sum (smaller)
@@ -226,13 +242,14 @@ def routed(moe, x, w, ids, mesh=None):
     split, tok, path = p
     ex = moe.experts
     ffn = "tensor" if split else None
-    in_specs = (P(tok), P(tok), P(tok), P("expert", ffn, None), P("expert", ffn, None), P("expert", None, ffn))
+    wspecs = (P("expert", ffn, None), P("expert", ffn, None), P("expert", None, ffn))
+    ws = (ex.w1.weight[...], ex.w3.weight[...], ex.w2.weight[...])
+    if ex.w1.int8:  # codes and scales go in sharded alike; each shard dequantizes what it reads
+        wspecs = wspecs + wspecs
+        ws = ws + (ex.w1.scale[...], ex.w3.scale[...], ex.w2.scale[...])
+    in_specs = (P(tok), P(tok), P(tok)) + wspecs
     # the unsharded grouped paths carry loop state that starts device-invariant and becomes
     # device-varying: no replication typing for them (their psums are explicit anyway)
     fn = shard_map(functools.partial(_local, moe, split, path), mesh=mesh, in_specs=in_specs,
                    out_specs=P(tok), check=path in ("gather", "dense"))
-    if ex.w1.int8:  # int8 experts: each shard would best dequantize its own; correct but a full copy here
-        ws = tuple(getattr(ex, n).values(moe.numerics.dtype) for n in ("w1", "w3", "w2"))
-    else:
-        ws = (ex.w1.weight[...], ex.w3.weight[...], ex.w2.weight[...])
     return fn(x, w.astype(F32), ids.astype(jnp.int32), *ws)
