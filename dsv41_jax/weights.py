@@ -204,7 +204,8 @@ def release_fp8_linears(model) -> list[str]:
 
 def fp8_linear_names(ck, model, block=(32, 32)) -> list[str]:
     """The Linear modules of ``model`` (decoder only) that checkpoint ``ck`` stores F8_E4M3 with a
-    ``.scale`` and that fp8 storage can hold (in_features and the input block divisible by 32)."""
+    ue8m0 ``.scale`` and that fp8 storage can hold (in_features and the input block divisible by
+    32); the others load dequantized."""
     from dsv41_jax.model.layers import FP8_GROUP, Linear
 
     out = []
@@ -214,6 +215,7 @@ def fp8_linear_names(ck, model, block=(32, 32)) -> list[str]:
             continue
         w = name + ".weight"
         if w in ck and (name + ".scale") in ck and ck.info(w)[0] == "F8_E4M3" \
+                and ck.info(name + ".scale")[0] in ("F8_E8M0", "U8") \
                 and m.in_features % FP8_GROUP == 0 and block[1] % FP8_GROUP == 0:
             out.append(name)
     return out

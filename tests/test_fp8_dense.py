@@ -71,6 +71,7 @@ def test_kernel_route(monkeypatch):
     """``DSV41_KERNELS=pallas`` on a GPU backend sends fp8 Linears to ``grouped_qmatmul`` (G=1);
     here the Pallas interpreter stands in for the GPU: same values up to fp32 summation order,
     for decode-sized (one row block) and prefill-sized (64-row blocks, padded) inputs."""
+    pytest.importorskip("dsv41_jax.kernels.qmatmul")
     from dsv41_jax.model import layers
 
     rng = np.random.default_rng(2)
