@@ -472,6 +472,7 @@ def main():
     ap.add_argument("--skip", default="", help="comma list of: ceil,compile,decode,engram_host,prefill,vit")
     ap.add_argument("--moe-paths", default="", help="also time decode with these forced MoE paths")
     ap.add_argument("--experts", default="bf16", choices=["bf16", "int8"], help="routed expert storage")
+    ap.add_argument("--dense", default="bf16", choices=["bf16", "fp8"], help="storage of the release's fp8 Linears")
     ap.add_argument("--kernels", default=None, choices=["xla", "pallas"], help="sets DSV41_KERNELS")
     ap.add_argument("--breakdown", default="", help="batches for the per-part decode breakdown, e.g. 1,64")
     ap.add_argument("--breakdown-prefill", type=int, default=0, help="per-part breakdown of a prefill of N tokens")
@@ -504,12 +505,18 @@ def main():
             bench_compile_full(numerics, compile_shapes, a.experts == "int8")
         return _write_out()
     t0 = time.perf_counter()
-    model = random_model(cfg, numerics, experts_int8=a.experts == "int8")
+    kw = dict(experts_int8=a.experts == "int8")
+    if a.dense == "fp8":  # the Linears the release stores fp8 keep e4m3 codes + ue8m0 row scales
+        from dsv41_jax.model.lm import DeepseekV41
+        from dsv41_jax.weights import release_fp8_linears
+
+        kw["dense_fp8"] = release_fp8_linears(nnx.eval_shape(lambda: DeepseekV41(cfg, numerics, engram_quantized=True)))
+    model = random_model(cfg, numerics, **kw)
     if not a.no_release_quant:
         mark_release_quantized(model)
     jax.block_until_ready(nnx.state(model))
     emit(what="build", layers=a.layers, param_gb=param_bytes(model) / 1e9, seconds=time.perf_counter() - t0,
-         engram_rows=cfg.text.engram_num_embeddings, experts=a.experts)
+         engram_rows=cfg.text.engram_num_embeddings, experts=a.experts, dense=a.dense)
     batches = [int(b) for b in a.batches.split(",")] if a.batches else []
     for B in [int(b) for b in a.breakdown.split(",") if b]:
         bench_breakdown(model, cfg, B, a.ctx, copy_tb_s or 2.4)
