@@ -4,15 +4,15 @@ timings against the XLA paths. Prints one JSON line per measurement (also to --o
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 benchmarks/bench_qmatmul.py [--budget 200] [--out F]
 
 Sections (in priority order; the script stops starting new ones after --budget seconds):
-  check   kernel vs XLA reference at V4.1-Flash expert sizes (int8 + ue8m0, bf16) and dense fp8
+  check   kernel vs XLA reference at V4.1-Flash expert sizes (int8 + ue8m0) and dense fp8
+  sweep   tile / mode / warp variants of the gemv, gemm and dense-fp8 kernels
   gemv    decode: batch 1 / 8 tokens x 6 experts, int8 experts [384, 2304, 5120] / [384, 5120, 2304];
           effective TB/s of bytes read (codes + scales + x) vs the XLA gather path (gather +
           dequantize + einsum) and vs bf16 experts
   gemm    prefill: 8192 tokens x 6 slots sorted into 128-row expert blocks; TFLOP/s vs the
           fori_loop over blocks of MoE.routed_grouped (one projection)
   dense   fp8 e4m3 [32768, 5120] with ue8m0 scales, batch 1..64, vs XLA dequantize + matmul
-  moe     the whole routed MoE (int8 experts): pallas vs gather / grouped
-  sweep   tile / warp / stage variants of the gemv and gemm kernels
+  moe     the whole routed MoE (int8 experts): pallas (decode tile variants) vs gather / grouped
 """
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def timeit(fn, *args, reps: int):
     def loop(*a):
         def body(i, s):
             y = fn(i, s, *a)
-            return s + y.reshape(-1)[0].astype(F32) * 0.0
+            # the whole output feeds the next iteration: nothing can be sliced away or hoisted
+            return s + jnp.sum(y.astype(F32)) * 0.0
         return jax.lax.fori_loop(0, reps, body, jnp.float32(0))
     f = jax.jit(loop)
     t = time.time()
@@ -118,30 +119,38 @@ def main():
     jax.block_until_ready(W2)
     shapes = {"w1": (W13, I, D), "w2": (W2, D, I)}
 
-    # ceiling: device copy (read + write)
+    # ceiling: device read bandwidth
     @guarded("ceiling")
     def _():
+        if "ceiling" in skip:
+            return
         a = jnp.ones((1 << 30,), jnp.uint16)  # 2 GiB
-        t, _c = timeit(lambda i, s, a: a + s.astype(jnp.uint16), a, reps=10)
-        emit(section="ceiling", what="copy", TBps=round(2 * a.nbytes / t / 1e12, 3))
+        t, _c = timeit(lambda i, s, a: a + s.astype(jnp.uint16), a, reps=10)  # read + sum; write fused away
+        emit(section="ceiling", what="read", TBps=round(a.nbytes / t / 1e12, 3))
 
     # ---------------------------------------------------------------- check (real sizes)
     if "check" not in skip:
         rng = np.random.default_rng(0)
+        acc = dict(mode="reduce", acc=True)
+        cases = {"w1": ((1, 12, {}), (1, 12, acc), (1, 12, {"mode": "dot"}), (8, 2, {}), (128, 4, {}),
+                        (128, 4, {"mode": "dot", "split": True})),
+                 "w2": ((1, 12, acc), (1, 12, {"mode": "dot"}), (128, 4, {}))}
         for name, ((codes, scale), O, K) in shapes.items():
-            for bm, nb, mode in ((1, 12, "auto"), (8, 2, "auto"), (128, 4, "auto"), (128, 4, "dot-split")):
-                @guarded("check", proj=name, bm=bm, mode=mode)
+            for bm, nb, kw in cases[name]:
+                if left() < 0:
+                    break
+
+                @guarded("check", proj=name, bm=bm, cfg=kw)
                 def _():
                     x = jax.random.normal(kx, (nb * bm, K), F32).astype(BF16)
                     bg = jnp.asarray(rng.integers(0, E, nb), jnp.int32).at[0].set(E - 1)
                     used = nb - 1
-                    kw = dict(mode="dot", split=True) if mode == "dot-split" else dict(mode=mode)
                     t = time.time()
-                    got = jax.jit(lambda x, bg: Q.grouped_qmatmul(x, bg, used, codes, scale, bm=bm, out_dtype=F32,
-                                                                  impl=IMPL, **kw))(x, bg)
+                    got = jax.jit(lambda x, bg, c, s: Q.grouped_qmatmul(x, bg, used, c, s, bm=bm, out_dtype=F32,
+                                                                        impl=IMPL, **kw))(x, bg, codes, scale)
                     got = jax.block_until_ready(got)
                     ref = Q.grouped_qmatmul_reference(x, bg, used, codes, scale, bm=bm, out_dtype=F32)
-                    emit(section="check", proj=name, bm=bm, mode=mode, rel_err=rel_err(got, ref),
+                    emit(section="check", proj=name, bm=bm, cfg=kw, rel_err=rel_err(got, ref),
                          tail_zero=bool(jnp.all(got[used * bm:] == 0)), compile_s=round(time.time() - t, 1))
 
         @guarded("check", proj="dense-fp8")
@@ -149,27 +158,14 @@ def main():
             O, K = DENSE_O + 96, D  # an output width no tile divides
             w = (jax.random.normal(kx, (O, K), F32) * 4).astype(jnp.float8_e4m3fn)
             s = jax.random.randint(ka, (O, K // 32), 120, 127, dtype=jnp.int32).astype(jnp.uint8)
-            for B in (1, 8, 16, 64):
+            for B, kw in ((1, {}), (1, {"mode": "dot"}), (8, {}), (64, {})):
                 x = jax.random.normal(kb, (B, K), F32).astype(BF16)
-                got = Q.grouped_qmatmul(x, jnp.zeros((1,), jnp.int32), 1, w, s, bm=B, out_dtype=F32, impl=IMPL)
+                got = Q.grouped_qmatmul(x, jnp.zeros((1,), jnp.int32), 1, w, s, bm=B, out_dtype=F32, impl=IMPL, **kw)
                 ref = Q.grouped_qmatmul_reference(x, jnp.zeros((1,), jnp.int32), 1, w, s, bm=B, out_dtype=F32)
-                emit(section="check", proj="dense-fp8", O=O, bm=B, rel_err=rel_err(got, ref))
-
-        @guarded("check", proj="bf16-experts")
-        def _():
-            wb = jax.random.normal(kx, (8, I, D), F32).astype(BF16)
-            x = jax.random.normal(kb, (256, D), F32).astype(BF16)
-            bg = jnp.asarray([7, 3], jnp.int32)
-            for bm, xx, bgg in ((128, x, bg), (1, x[:6], jnp.asarray([1, 2, 3, 4, 5, 7], jnp.int32))):
-                got = Q.grouped_qmatmul(xx, bgg, bgg.shape[0], wb, None, bm=bm, out_dtype=F32, impl=IMPL)
-                ref = Q.grouped_qmatmul_reference(xx, bgg, bgg.shape[0], wb, None, bm=bm, out_dtype=F32)
-                emit(section="check", proj="bf16-experts", bm=bm, rel_err=rel_err(got, ref))
+                emit(section="check", proj="dense-fp8", O=O, bm=B, cfg=kw, rel_err=rel_err(got, ref))
 
     # ---------------------------------------------------------------- gemv (decode)
-    def gemv_bytes(O, K, pairs, x_rows):
-        return pairs * (O * K + O * K // 32) + x_rows * K * 2
-
-    def gemv_case(name, batch, impl, cfg=None, wts=None):
+    def gemv_case(name, batch, impl, cfg=None, wts=None, section="gemv"):
         (codes, scale), O, K = shapes[name]
         if wts is not None:
             codes, scale = wts, None
@@ -186,25 +182,10 @@ def main():
             return Q.grouped_qmatmul(xi, ids, pairs, codes, scale, bm=1, out_dtype=BF16, impl=IMPL, **cfg)
 
         t, c = timeit(fn, x, codes, scale, reps=50)
-        nbytes = gemv_bytes(O, K, pairs, pairs) if scale is not None else pairs * O * K * 2 + pairs * K * 2
-        emit(section="gemv", proj=name, batch=batch, pairs=pairs, impl=impl, weights="bf16" if scale is None else "int8",
-             cfg=cfg, us=round(t * 1e6, 1), TBps=round(nbytes / t / 1e12, 3), compile_s=round(c, 1))
-
-    if "gemv" not in skip:
-        for name in ("w1", "w2"):
-            for batch in (1, 8):
-                for impl in ("triton", "xla-gather"):
-                    guarded("gemv", proj=name, batch=batch, impl=impl)(lambda: gemv_case(name, batch, impl))
-        # bf16 experts (the default model today) through the same kernel and through XLA
-        @guarded("gemv", weights="bf16")
-        def _():
-            wb = jax.random.normal(kx, (E, I, D), F32).astype(BF16)
-            for impl in ("triton", "xla-gather"):
-                shapes["w1b"] = ((None, None), I, D)
-                for batch in (1, 8):
-                    guarded("gemv", proj="w1", batch=batch, impl=impl, weights="bf16")(
-                        lambda: gemv_case("w1b", batch, impl, wts=wb))
-            del wb
+        nbytes = pairs * (O * K + O * K // 32) + pairs * K * 2 if scale is not None else pairs * O * K * 2 + pairs * K * 2
+        emit(section=section, proj=name, batch=batch, pairs=pairs, impl=impl,
+             weights="bf16" if scale is None else "int8", cfg=cfg, us=round(t * 1e6, 1),
+             TBps=round(nbytes / t / 1e12, 3), compile_s=round(c, 1))
 
     # ---------------------------------------------------------------- gemm (prefill)
     from dsv41_jax.model.moe import MoE
@@ -215,7 +196,7 @@ def main():
         order, pidx, NC, blocks, n_used = MoE._blocks(types.SimpleNamespace(n_experts=E), ids, c)
         return NC, blocks, n_used, tokens * K_TOP
 
-    def gemm_case(name, impl, c=128, cfg=None):
+    def gemm_case(name, impl, c=128, cfg=None, section="gemm"):
         (codes, scale), O, K = shapes[name]
         NC, blocks, n_used, N = gemm_layout(c)
         x = jax.random.normal(kx, (NC * c, K), F32).astype(BF16)
@@ -234,50 +215,95 @@ def main():
             return Q.grouped_qmatmul(xi, blocks, n_used, codes, scale, bm=c, out_dtype=BF16, impl=IMPL, **cfg)
 
         t, comp = timeit(fn, x, blocks, n_used, codes, scale, reps=3)
-        emit(section="gemm", proj=name, tokens=TOKENS, pairs=N, chunk=c, blocks_used=int(n_used), impl=impl, cfg=cfg,
-             ms=round(t * 1e3, 3), TFLOPs=round(2 * N * O * K / t / 1e12, 1),
+        emit(section=section, proj=name, tokens=TOKENS, pairs=N, chunk=c, blocks_used=int(n_used), impl=impl,
+             cfg=cfg, ms=round(t * 1e3, 3), TFLOPs=round(2 * N * O * K / t / 1e12, 1),
              TFLOPs_padded=round(2 * int(n_used) * c * O * K / t / 1e12, 1), compile_s=round(comp, 1))
 
+    # ---------------------------------------------------------------- dense fp8 GEMV
+    dense_w = {}
+
+    def dense_case(B, impl, cfg=None, section="dense"):
+        O, K = DENSE_O, D
+        if not dense_w:
+            dense_w["w"] = (jax.random.normal(kx, (O, K), F32) * 4).astype(jnp.float8_e4m3fn)
+            dense_w["s"] = jax.random.randint(ka, (O, K // 32), 120, 127, dtype=jnp.int32).astype(jnp.uint8)
+            dense_w["wb"] = jax.random.normal(kx, (O, K), F32).astype(BF16)
+        g0 = jnp.zeros((1,), jnp.int32)
+        x = jax.random.normal(kb, (B, K), F32).astype(BF16)
+        cfg = cfg or {}
+
+        def fn(i, s_, x, w, s, wb):
+            xi = x + s_.astype(BF16)
+            if impl == "xla-dequant":
+                return Q.grouped_qmatmul_reference(xi, g0, 1, w, s, bm=B, out_dtype=BF16)
+            if impl == "xla-bf16":
+                return jnp.einsum("bk,ok->bo", xi, wb, preferred_element_type=F32).astype(BF16)
+            return Q.grouped_qmatmul(xi, g0, 1, w, s, bm=B, out_dtype=BF16, impl=IMPL, **cfg)
+
+        t, c = timeit(fn, x, dense_w["w"], dense_w["s"], dense_w["wb"], reps=20)
+        nbytes = O * K * (2 if impl == "xla-bf16" else 1) + (O * K // 32 if impl != "xla-bf16" else 0) + B * K * 2
+        emit(section=section, O=O, K=K, batch=B, impl=impl, cfg=cfg, us=round(t * 1e6, 1),
+             TBps=round(nbytes / t / 1e12, 3), compile_s=round(c, 1))
+
+    # ---------------------------------------------------------------- sweeps (tile / mode variants)
+    gemv_cfgs = [dict(mode="reduce", acc=True, bo=32, bk=256), dict(mode="reduce", acc=True, bo=16, bk=256),
+                 dict(mode="reduce", acc=True, bo=64, bk=256, num_warps=8), dict(mode="reduce", acc=True, bo=32, bk=512, num_warps=8),
+                 dict(mode="reduce", acc=True, bo=16, bk=512), dict(mode="dot", bo=64, bk=128), dict(mode="dot", bo=128, bk=128),
+                 dict(mode="dot", bo=64, bk=256), dict(mode="dot", bo=128, bk=64), dict(mode="dot", bo=32, bk=256),
+                 dict(mode="dot", bo=64, bk=128, num_warps=8)]
+    if "sweep" not in skip:
+        for cfg in gemv_cfgs:
+            for name in ("w1", "w2"):
+                for batch in (1, 8):
+                    if left() > 0:
+                        guarded("sweep-gemv", proj=name, cfg=cfg)(
+                            lambda: gemv_case(name, batch, "triton", cfg=cfg, section="sweep-gemv"))
+        for c, cfg in ((128, dict(bo=128, bk=64, num_warps=4)), (128, dict(bo=64, bk=64, num_warps=4)),
+                       (128, dict(bo=64, bk=128, num_warps=4)), (64, dict(bo=128, bk=64)), (64, dict(bo=64, bk=64)),
+                       (64, dict(bo=128, bk=128)), (64, dict(bo=128, bk=64, num_warps=8))):
+            for name in ("w1", "w2"):
+                if left() > 0:
+                    guarded("sweep-gemm", proj=name, c=c, cfg=cfg)(
+                        lambda: gemm_case(name, "triton", c=c, cfg=cfg, section="sweep-gemm"))
+        for B in (1, 8, 64):
+            for cfg in ([dict(mode="reduce", acc=True, bo=32, bk=256), dict(mode="reduce", acc=True, bo=16, bk=512)]
+                        if B == 1 else []) + [dict(mode="dot", bo=64, bk=128), dict(mode="dot", bo=128, bk=128),
+                                             dict(mode="dot", bo=64, bk=256), dict(mode="dot", bo=256, bk=64),
+                                             dict(mode="dot", bo=32, bk=256)]:
+                if left() > 0:
+                    guarded("sweep-dense", batch=B, cfg=cfg)(lambda: dense_case(B, "triton", cfg=cfg, section="sweep-dense"))
+        for cfg in (dict(mode="reduce", acc=True, bo=32, bk=256), dict(mode="dot", bo=64, bk=128)):
+            if left() > 0:
+                @guarded("sweep-gemv", weights="bf16")
+                def _():
+                    wb = jax.random.normal(kx, (E, I, D), F32).astype(BF16)
+                    shapes["w1b"] = ((None, None), I, D)
+                    for batch in (1, 8):
+                        gemv_case("w1b", batch, "triton", cfg=cfg, wts=wb, section="sweep-gemv")
+
+    # ---------------------------------------------------------------- baselines
+    if "gemv" not in skip:
+        for name in ("w1", "w2"):
+            for batch in (1, 8):
+                for impl in ("triton", "xla-gather"):
+                    if left() > 0:
+                        guarded("gemv", proj=name, batch=batch, impl=impl)(lambda: gemv_case(name, batch, impl))
     if "gemm" not in skip:
         for name in ("w1", "w2"):
             for impl in ("triton", "xla-fori"):
                 if left() > 0:
                     guarded("gemm", proj=name, impl=impl)(lambda: gemm_case(name, impl))
-
-    # ---------------------------------------------------------------- dense fp8 GEMV
-    if "dense" not in skip and left() > 0:
-        @guarded("dense")
-        def _():
-            O, K = DENSE_O, D
-            w = (jax.random.normal(kx, (O, K), F32) * 4).astype(jnp.float8_e4m3fn)
-            s = jax.random.randint(ka, (O, K // 32), 120, 127, dtype=jnp.int32).astype(jnp.uint8)
-            wb = jax.random.normal(kx, (O, K), F32).astype(BF16)
-            g0 = jnp.zeros((1,), jnp.int32)
-            for B in (1, 8, 16, 64):
-                x = jax.random.normal(kb, (B, K), F32).astype(BF16)
-                variants = [("triton", {})] + ([("triton", {"mode": "dot"})] if B < 16 else []) + \
-                           [("xla-dequant", {}), ("xla-bf16", {})]
-                for impl, cfg in variants:
-                    if left() < 0:
-                        return
-
-                    def fn(i, s_, x, w, s, wb, impl=impl, cfg=cfg):
-                        xi = x + s_.astype(BF16)
-                        if impl == "xla-dequant":
-                            return Q.grouped_qmatmul_reference(xi, g0, 1, w, s, bm=B, out_dtype=BF16)
-                        if impl == "xla-bf16":
-                            return jnp.einsum("bk,ok->bo", xi, wb, preferred_element_type=F32).astype(BF16)
-                        return Q.grouped_qmatmul(xi, g0, 1, w, s, bm=B, out_dtype=BF16, impl=IMPL, **cfg)
-
-                    t, c = timeit(fn, x, w, s, wb, reps=20)
-                    nbytes = O * K * (2 if impl == "xla-bf16" else 1) + (O * K // 32 if impl != "xla-bf16" else 0) + B * K * 2
-                    emit(section="dense", O=O, K=K, batch=B, impl=impl, cfg=cfg, us=round(t * 1e6, 1),
-                         TBps=round(nbytes / t / 1e12, 3), compile_s=round(c, 1))
+    if "dense" not in skip:
+        for B in (1, 8, 16, 64):
+            for impl in ("triton", "xla-dequant", "xla-bf16"):
+                if left() > 0:
+                    guarded("dense", batch=B, impl=impl)(lambda: dense_case(B, impl))
 
     # ---------------------------------------------------------------- whole routed MoE
-    if "moe" not in skip and left() > 20:
+    if "moe" not in skip and left() > 0:
         @guarded("moe")
         def _():
+            import dsv41_jax.model.moe as M
             from dsv41_jax.config import preset
             from dsv41_jax.numerics import Numerics
 
@@ -288,44 +314,45 @@ def main():
                 def __getattr__(self, name):
                     return getattr(MoE, name).__get__(self, View)
 
-            moe = View()
-            moe.numerics, moe.limit, moe.n_experts = Numerics("bfloat16", "reference"), t.swiglu_limit, E
             sw = types.SimpleNamespace
-            moe.experts = sw(quantized=True,
-                             w1=sw(int8=True, weight=W13[0], scale=W13[1]), w3=sw(int8=True, weight=W13[0], scale=W13[1]),
-                             w2=sw(int8=True, weight=W2[0], scale=W2[1]))
-            for p in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
-                p.take = (lambda p: lambda ids, dt: Q.dequantize(p.weight[ids], p.scale[ids], dt))(p)
+
+            def view(w13c, w13s, w2c, w2s):
+                moe = View()
+                moe.numerics, moe.limit, moe.n_experts = Numerics("bfloat16", "reference"), t.swiglu_limit, E
+                moe.experts = sw(quantized=True, w1=sw(int8=True, weight=w13c, scale=w13s),
+                                 w3=sw(int8=True, weight=w13c, scale=w13s), w2=sw(int8=True, weight=w2c, scale=w2s))
+                for p in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
+                    p.take = (lambda p: lambda ids, dt: Q.dequantize(p.weight[ids], p.scale[ids], dt))(p)
+                return moe
+
+            gemv_default = dict(Q.TUNING["small"])
+            chunk_default = M.pallas_chunk
+            variants = {"pallas": None, "pallas-dot128x128": dict(mode="dot", bo=128, bk=128, num_warps=4, num_stages=3),
+                        "pallas-acc16x256": dict(mode="reduce", acc=True, bo=16, bk=256, num_warps=4, num_stages=3),
+                        "pallas-c64": 64}
             for T in (1, 8, TOKENS):
-                paths = ("pallas", "gather") if T * K_TOP < E else ("pallas", "grouped")
+                decode = T * K_TOP < E
+                paths = (["pallas", "pallas-dot128x128", "pallas-acc16x256", "gather"] if decode
+                         else ["pallas", "pallas-c64", "grouped"])
                 x = jax.random.normal(kx, (T, D), F32).astype(BF16)
                 ids0 = jax.random.randint(kb, (T, K_TOP), 0, E, dtype=jnp.int32)
                 w = jax.random.uniform(ka, (T, K_TOP), F32)
                 for path in paths:
                     if left() < 0:
                         return
+                    v = variants.get(path)
+                    Q.TUNING["small"] = v if isinstance(v, dict) else gemv_default
+                    M.pallas_chunk = (lambda n, e, v=v: v) if isinstance(v, int) else chunk_default
+                    meth = "routed_" + path.split("-")[0]
 
-                    def fn(i, s, x, w, ids0, path=path):
-                        return getattr(moe, "routed_" + path)(x + s.astype(BF16), w, (ids0 + i * 37) % E)
+                    def fn(i, s, x, w, ids0, *ws, meth=meth):
+                        return getattr(view(*ws), meth)(x + s.astype(BF16), w, (ids0 + i * 37) % E)
 
-                    tt, c = timeit(fn, x, w, ids0, reps=20 if T < 100 else 2)
+                    tt, c = timeit(fn, x, w, ids0, *W13, *W2, reps=20 if T < 100 else 2)
                     emit(section="moe", tokens=T, path=path, numerics="bf16-reference", experts="int8",
                          ms=round(tt * 1e3, 3), compile_s=round(c, 1))
+                Q.TUNING["small"], M.pallas_chunk = gemv_default, chunk_default
 
-    # ---------------------------------------------------------------- sweeps
-    if "sweep" not in skip:
-        for cfg in ({"bo": 16, "bk": 256}, {"bo": 64, "bk": 256}, {"bo": 32, "bk": 512}, {"bo": 32, "bk": 128},
-                    {"bo": 32, "bk": 256, "num_warps": 8}, {"bo": 64, "bk": 512, "num_warps": 8},
-                    {"bo": 32, "bk": 256, "num_stages": 4}, {"bo": 16, "bk": 512, "num_warps": 2}):
-            for name in ("w1", "w2"):
-                if left() > 0:
-                    guarded("sweep-gemv", proj=name, cfg=cfg)(lambda: gemv_case(name, 1, "triton", cfg=cfg))
-        for cfg in ({"bo": 128, "bk": 128}, {"bo": 64, "bk": 64}, {"bo": 128, "bk": 64, "split": True},
-                    {"bo": 128, "bk": 64, "num_warps": 4}, {"bo": 128, "bk": 64, "num_stages": 4},
-                    {"bo": 256, "bk": 64, "num_warps": 8}):
-            for name in ("w1", "w2"):
-                if left() > 0:
-                    guarded("sweep-gemm", proj=name, cfg=cfg)(lambda: gemm_case(name, "triton", cfg=cfg))
     emit(section="done", elapsed_s=round(time.time() - T0, 1))
 
 

@@ -26,6 +26,16 @@ def swiglu(g, u, limit: float):
     return jax.nn.silu(g) * u
 
 
+def pallas_chunk(n_pairs: int, n_experts: int) -> int:
+    """Rows per expert block for the Pallas grouped GEMM (``MoE.routed_pallas``): about the mean
+    number of pairs per expert, a power of two in [16, 128] (tensor-core tiles; fewer padded rows
+    at small counts)."""
+    c = 16
+    while c < 128 and c < n_pairs // max(n_experts, 1):
+        c *= 2
+    return c
+
+
 class Gate(nnx.Module):
     def __init__(self, cfg: TextConfig, numerics: Numerics, vision: bool):
         E, D = cfg.n_routed_experts, cfg.hidden_size
@@ -189,14 +199,10 @@ class MoE(nnx.Module):
         y = jax.lax.ragged_dot(ha.astype(cd), jnp.swapaxes(ex.w2.values(cd), 1, 2), sizes, **kw).astype(dt)
         return jnp.zeros((T, y.shape[-1]), F32).at[tok].add(y.astype(F32))
 
-    def routed_grouped(self, x, w, ids, chunk: int = 128):
-        """Grouped matmul without a dense emulation: (token, slot) pairs are sorted by expert and
-        laid out in ``chunk``-row blocks that each belong to one expert; a loop over the USED
-        blocks multiplies each by its expert's weights (each selected expert is read once per
-        block of its tokens). Same rounding points as ``routed_dense``."""
-        dt = self.numerics.dtype
-        ex = self.experts
-        T, k = ids.shape
+    def _blocks(self, ids, chunk: int):
+        """Block layout of (token, slot) pairs sorted by expert: each ``chunk``-row block holds the
+        pairs of one expert. Returns (order, pidx, n_blocks_max, block_expert, n_used): pair
+        ``order[i]`` sits at row ``pidx[i]``; blocks ``>= n_used`` are empty."""
         E, N, c = self.n_experts, ids.size, chunk
         flat = ids.reshape(-1)
         order = jnp.argsort(flat, stable=True)
@@ -208,11 +214,23 @@ class MoE(nnx.Module):
         gstart = jnp.cumsum(counts) - counts
         pidx = cstart[se] * c + (jnp.arange(N, dtype=jnp.int32) - gstart[se])
         NC = N // c + min(E, N)
+        chunk_expert = jnp.minimum(jnp.searchsorted(cend, jnp.arange(NC), side="right"), E - 1).astype(jnp.int32)
+        return order, pidx, NC, chunk_expert, cend[-1]
+
+    def routed_grouped(self, x, w, ids, chunk: int = 128):
+        """Grouped matmul without a dense emulation: (token, slot) pairs are sorted by expert and
+        laid out in ``chunk``-row blocks that each belong to one expert; a loop over the USED
+        blocks multiplies each by its expert's weights (each selected expert is read once per
+        block of its tokens). Same rounding points as ``routed_dense``."""
+        dt = self.numerics.dtype
+        ex = self.experts
+        T, k = ids.shape
+        c = chunk
+        order, pidx, NC, chunk_expert, n_used = self._blocks(ids, c)
         xa, cd = self._aq(x)
         D = x.shape[-1]
         xs = jnp.zeros((NC * c, D), cd).at[pidx].set(xa[order // k].astype(cd))
         ws = jnp.zeros((NC * c,), F32).at[pidx].set(w.reshape(-1)[order])
-        chunk_expert = jnp.minimum(jnp.searchsorted(cend, jnp.arange(NC), side="right"), E - 1)
 
         def body(j, out):
             e = chunk_expert[j]
@@ -225,17 +243,64 @@ class MoE(nnx.Module):
             y = einsum("ti,di->td", ha.astype(cd2), ex.w2.take(e, cd2), preferred_element_type=F32).astype(dt)
             return jax.lax.dynamic_update_slice_in_dim(out, y, j * c, 0)
 
-        out = jax.lax.fori_loop(0, cend[-1], body, jnp.zeros((NC * c, D), dt))
+        out = jax.lax.fori_loop(0, n_used, body, jnp.zeros((NC * c, D), dt))
         return jnp.zeros((T, D), F32).at[order // k].add(out[pidx].astype(F32))
+
+    def routed_pallas(self, x, w, ids):
+        """Routed experts through ``dsv41_jax.kernels.grouped_qmatmul``: the expert weights are read
+        in place (int8 codes + ue8m0 scales dequantized in registers, or the float weights), never
+        copied. Decode (fewer pairs than experts): every (token, slot) pair is a one-row block
+        naming its expert (GEMV). Otherwise the pairs are sorted into ``routed_grouped``'s block
+        layout (GEMM per block). Rounding points as ``routed_dense``; only fp32 summation orders
+        differ. On a GPU the kernel is the Triton one; elsewhere its XLA reference (or the Pallas
+        interpreter with ``DSV41_QMATMUL_IMPL=interpret``)."""
+        from dsv41_jax.kernels import grouped_qmatmul
+
+        dt = self.numerics.dtype
+        ex = self.experts
+        T, k = ids.shape
+        N = T * k
+
+        def qmm(a, blocks, n, p, bm):
+            return grouped_qmatmul(a, blocks, n, p.weight[...], p.scale[...] if p.int8 else None,
+                                   bm=bm, out_dtype=dt)
+
+        xa, cd = self._aq(x)
+        if N < self.n_experts:
+            blocks = ids.reshape(-1).astype(jnp.int32)
+            xs = jnp.repeat(xa.astype(cd), k, axis=0)  # row t*k + s: token t, slot s
+            g = qmm(xs, blocks, N, ex.w1, 1)
+            u = qmm(xs, blocks, N, ex.w3, 1)
+            h = (w.reshape(-1, 1) * swiglu(g, u, self.limit)).astype(dt)
+            ha, cd2 = self._aq(h)
+            y = qmm(ha.astype(cd2), blocks, N, ex.w2, 1)
+            return jnp.sum(y.reshape(T, k, -1).astype(F32), axis=1)
+        c = pallas_chunk(N, self.n_experts)
+        order, pidx, NC, blocks, n_used = self._blocks(ids, c)
+        D = x.shape[-1]
+        xs = jnp.zeros((NC * c, D), cd).at[pidx].set(xa[order // k].astype(cd))
+        ws = jnp.zeros((NC * c,), F32).at[pidx].set(w.reshape(-1)[order])
+        g = qmm(xs, blocks, n_used, ex.w1, c)
+        u = qmm(xs, blocks, n_used, ex.w3, c)
+        h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
+        ha, cd2 = self._aq(h)
+        y = qmm(ha.astype(cd2), blocks, n_used, ex.w2, c)
+        return jnp.zeros((T, D), F32).at[order // k].add(y[pidx].astype(F32))
 
     def _path(self, T: int, k: int) -> str:
         """Routed-expert implementation for T tokens: ``DSV41_MOE_PATH`` (gather, dense, grouped,
-        ragged) overrides the choice by size (read at trace time)."""
+        ragged, pallas) overrides the choice by size; ``DSV41_KERNELS=pallas`` (default ``xla``)
+        makes the automatic choice the Pallas kernels on a GPU backend (both read at trace time)."""
         forced = os.environ.get("DSV41_MOE_PATH", "auto")
         if forced != "auto":
-            if forced not in ("gather", "dense", "grouped", "ragged"):
-                raise ValueError(f"DSV41_MOE_PATH={forced!r}: use auto, gather, dense, grouped or ragged")
+            if forced not in ("gather", "dense", "grouped", "ragged", "pallas"):
+                raise ValueError(f"DSV41_MOE_PATH={forced!r}: use auto, gather, dense, grouped, ragged or pallas")
             return forced
+        kernels = os.environ.get("DSV41_KERNELS", "xla")
+        if kernels not in ("xla", "pallas"):
+            raise ValueError(f"DSV41_KERNELS={kernels!r}: use xla or pallas")
+        if kernels == "pallas" and self.n_experts > 16 and jax.default_backend() == "gpu":
+            return "pallas"
         if T * k < self.n_experts:
             return "gather"
         if self.n_experts <= 16:

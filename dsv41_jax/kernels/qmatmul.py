@@ -1,0 +1,347 @@
+"""Grouped matmul against quantized weights that stay quantized in HBM.
+
+``grouped_qmatmul(x, block_group, n_blocks, codes, scale, bm=...)`` multiplies row block ``j``
+of ``x`` (rows ``j*bm .. j*bm+bm-1``) by the weight of group ``block_group[j]``::
+
+    y[j*bm + r, o] = sum_k x[j*bm + r, k] * W[block_group[j], o, k]
+    W[g, o, k]     = codes[g, o, k] * mult * 2^(scale[g, o, k // 32] - 127)    (scale byte 0: 2^-127)
+
+with ``mult`` = 0.5 for int8 codes (the routed experts' layout: twice the e2m1 value, see
+``StackedWeight``) and 1 for float8_e4m3fn codes; without ``scale`` the codes are the weight
+itself (bf16 / fp32 experts). Products accumulate in fp32 and are rounded once to
+``out_dtype``. Row blocks ``j >= n_blocks`` are not computed and come out as zeros.
+
+The same call serves
+
+* MoE decode: every (token, slot) pair is its own row block (``bm`` = 1) naming its expert;
+* MoE prefill: (token, slot) pairs sorted by expert into ``bm``-row blocks (the layout
+  ``MoE.routed_grouped`` builds), ``n_blocks`` = the used blocks;
+* dense fp8 projections: one group (``codes [1, O, K]`` or ``[O, K]``), every block names it.
+
+Implementations (``impl``): ``"triton"`` (the Pallas kernel compiled by Triton; GPU),
+``"interpret"`` (the same kernel in the Pallas interpreter; tests on CPU), ``"xla"``
+(:func:`grouped_qmatmul_reference`: dequantizes the selected groups and runs one einsum; the
+test oracle and the CPU path; it materializes one dequantized weight per row block, so it is
+meant for small problems). ``"auto"`` (default) reads ``DSV41_QMATMUL_IMPL`` and otherwise picks
+``"triton"`` on a GPU backend and ``"xla"`` elsewhere.
+
+The kernel never writes a dequantized weight to memory: a program owns one (row block, output
+tile) pair, loads code tiles and the matching scale bytes, turns them into values in registers
+and accumulates over K in fp32. Two inner modes:
+
+* ``"dot"`` (the default for every block size): the tile is dequantized in registers to the
+  compute dtype and fed to the tensor cores (``tl.dot``), fp32 accumulation. Blocks of fewer
+  than 16 rows (decode: one row per (token, slot) pair) are padded to 16 rows in registers
+  (masked loads and stores: no extra memory traffic).
+* ``"reduce"`` (opt-in; CUDA-core GEMV): elementwise products of the dequantized tile and the
+  rows, either accumulated in a product-shaped fp32 accumulator and reduced once after the K
+  loop (``acc=True``, the one-row default) or summed per 32-wide scale block, scaled once per
+  32 weights and accumulated. Codes are converted to fp32 without a round trip through the
+  compute dtype: int8 codes times 0.5 and e4m3 codes are exact in bf16 for any power-of-two
+  scale in the normal range, so the products are the ones the reference forms. Measured
+  slower than "dot" on the H200 (kept for other GPUs and as a second formulation in tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+QBLOCK = 32  # inputs per scale byte
+_IMPLS = ("auto", "triton", "interpret", "xla")
+
+
+# ------------------------------------------------------------------------------ numerics
+def default_mult(codes_dtype) -> float:
+    """Code multiplier: 0.5 for int8 codes (2 x e2m1 values), 1 for fp8 / float codes."""
+    return 0.5 if jnp.dtype(codes_dtype) == jnp.int8 else 1.0
+
+
+def scale_values(scale, mult: float = 1.0):
+    """ue8m0 bytes -> fp32 powers of two ``2^(s - 127)`` (byte 0 -> 2^-127) times ``mult``.
+
+    Built from integer ops and a bitcast only, so it lowers in XLA and inside the kernel alike."""
+    s = scale.astype(jnp.int32)
+    f = lax.bitcast_convert_type(lax.shift_left(s, jnp.int32(23)), F32)
+    f = jnp.where(s == 0, jnp.float32(2.0 ** -127), f)
+    return f * jnp.float32(mult) if mult != 1.0 else f
+
+
+def dequantize(codes, scale, dtype, mult: float | None = None):
+    """Values of ``codes`` [..., O, K] with per-32-input ``scale`` [..., O, K // 32] (or None)."""
+    if scale is None:
+        return codes.astype(dtype)
+    mult = default_mult(codes.dtype) if mult is None else mult
+    K = codes.shape[-1]
+    v = codes.astype(F32).reshape(*codes.shape[:-1], K // QBLOCK, QBLOCK)
+    v = v * scale_values(scale, mult)[..., None]
+    return v.reshape(codes.shape).astype(dtype)
+
+
+def _grouped(codes, scale):
+    """Accept dense ``[O, K]`` / ``[O, K // 32]`` weights as one group."""
+    if codes.ndim == 2:
+        codes = codes[None]
+    if scale is not None and scale.ndim == 2:
+        scale = scale[None]
+    return codes, scale
+
+
+def _check(x, block_group, codes, scale, bm):
+    R, K = x.shape
+    G, O, Kc = codes.shape
+    if Kc != K:
+        raise ValueError(f"grouped_qmatmul: x has K={K}, weights {codes.shape}")
+    if bm < 1 or R % bm:
+        raise ValueError(f"grouped_qmatmul: {R} rows are not a multiple of bm={bm}")
+    if block_group.shape != (R // bm,):
+        raise ValueError(f"grouped_qmatmul: block_group {block_group.shape} for {R // bm} row blocks")
+    if scale is not None:
+        if K % QBLOCK:
+            raise ValueError(f"grouped_qmatmul: scaled weights need K % {QBLOCK} == 0, got {K}")
+        if scale.shape != (G, O, K // QBLOCK):
+            raise ValueError(f"grouped_qmatmul: scale {scale.shape} for codes {codes.shape}")
+    return R, K, G, O
+
+
+def grouped_qmatmul_reference(x, block_group, n_blocks, codes, scale=None, *, bm: int,
+                              out_dtype=None, mult: float | None = None):
+    """XLA reference: dequantize each row block's group to ``x.dtype``, one einsum with fp32
+    accumulation (``HIGHEST`` for fp32 operands), zeros for blocks ``>= n_blocks``."""
+    codes, scale = _grouped(codes, scale)
+    R, K, G, O = _check(x, block_group, codes, scale, bm)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    nb = R // bm
+    bg = jnp.clip(block_group.astype(jnp.int32), 0, G - 1)
+    w = dequantize(codes[bg], None if scale is None else scale[bg], x.dtype, mult)  # [nb, O, K]
+    prec = lax.Precision.HIGHEST if x.dtype == F32 else lax.Precision.DEFAULT
+    y = jnp.einsum("brk,bok->bro", x.reshape(nb, bm, K), w, precision=prec, preferred_element_type=F32)
+    live = jnp.arange(nb) < jnp.asarray(n_blocks, jnp.int32)
+    y = jnp.where(live[:, None, None], y, 0.0)
+    return y.reshape(R, O).astype(out_dtype)
+
+
+# ------------------------------------------------------------------------------ kernel config
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tile sizes and launch parameters. ``tm``: rows per program (a power of two >= bm; 16 at
+    least in "dot" mode); ``bo``: output columns per program; ``bk``: inputs per loop step
+    (a power of two dividing K); ``split``: "dot" mode dequantizes and multiplies each 32-wide
+    scale block separately (no in-register reshape) instead of the whole ``bk`` step at once;
+    ``acc``: "reduce" mode keeps an accumulator of the product's shape and reduces it once after
+    the K loop (no cross-lane reduction per step)."""
+    mode: str
+    tm: int
+    bo: int
+    bk: int
+    num_warps: int
+    num_stages: int
+    split: bool = False
+    acc: bool = False
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+# Default tiles, measured on one H200 (JAX 0.11.2; benchmarks/bench_qmatmul.py, raw rows in
+# benchmarks/results/qmatmul_2026-12-01_run3.jsonl). Blocks of up to 16 rows (decode, batched
+# dense GEMV) run on the tensor cores with the rows padded to 16 in registers: 64 x 128 tiles
+# beat the elementwise "reduce" forms (1.2-2.4 vs 0.9-2.0 TB/s). 128-row prefill blocks: 128 x 64
+# tiles (bk 128 was 20-40% slower). ``num_warps`` None: 8 for 128-row tiles, else 4.
+TUNING = {
+    "small": dict(mode="dot", bo=64, bk=128, num_warps=4, num_stages=3),
+    "large": dict(mode="dot", bo=128, bk=64, num_warps=None, num_stages=3),
+}
+
+
+def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", **override) -> Config:
+    """Tiles for a problem: ``TUNING`` ("small" for blocks of up to 16 rows, "large" above) for
+    ``mode`` "auto" or "dot"; "reduce" takes its own defaults (one-row blocks: the
+    accumulate-then-reduce form); ``override``: any ``Config`` field (tuning sweeps)."""
+    if mode in ("auto", "dot"):
+        cfg = dict(TUNING["small"] if bm <= 16 else TUNING["large"])
+    elif mode == "reduce":
+        tm = _pow2_at_least(bm)
+        cfg = dict(mode="reduce", bo=16, bk=256 if tm <= 2 else 128, num_warps=4, num_stages=3,
+                   acc=tm == 1)
+    else:
+        raise ValueError(f"grouped_qmatmul: mode {mode!r} (use auto, reduce or dot)")
+    cfg.update(override)
+    tm = _pow2_at_least(bm)
+    cfg["tm"] = max(tm, 16) if cfg["mode"] == "dot" else tm
+    if cfg.get("num_warps") is None:
+        cfg["num_warps"] = 8 if cfg["tm"] >= 128 else 4
+    cfg["bo"] = min(cfg["bo"], _pow2_at_least(O))
+    cfg["bk"] = _largest_pow2_divisor(K, cfg["bk"])
+    if scaled and cfg["bk"] < QBLOCK:
+        raise ValueError(f"grouped_qmatmul: K={K} has no power-of-two step >= {QBLOCK}")
+    if cfg["tm"] < bm or cfg["tm"] & (cfg["tm"] - 1):
+        raise ValueError(f"grouped_qmatmul: tm={cfg['tm']} must be a power of two >= bm={bm}")
+    return Config(**cfg)
+
+
+# ------------------------------------------------------------------------------ kernel
+def _load(ref, mask):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape))
+
+
+def _store(ref, val, mask):
+    from jax.experimental.pallas import triton as plgpu
+
+    plgpu.store(ref, val, mask=jnp.broadcast_to(mask, val.shape))
+
+
+def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, O: int, K: int,
+            scaled: bool, mult: float, cd, out_dtype):
+    from jax.experimental import pallas as pl
+
+    s_ref, o_ref = rest if scaled else (None, rest[0])
+    tm, bo, bk = cfg.tm, cfg.bo, cfg.bk
+    nkb = bk // QBLOCK
+    oi, j = pl.program_id(0), pl.program_id(1)
+    o0 = pl.multiple_of(oi * bo, bo)
+    r0 = j * bm
+    rmask = lax.broadcasted_iota(jnp.int32, (tm, 1), 0) < bm          # rows of this block
+    ocol = o0 + lax.broadcasted_iota(jnp.int32, (bo, 1), 0)           # output columns, [bo, 1]
+    omask = ocol < O
+    smask = rmask & (o0 + lax.broadcasted_iota(jnp.int32, (1, bo), 1) < O)  # [tm, bo] store mask
+    live = j < nb_ref[0]
+    prec = lax.Precision.HIGHEST if cd == F32 else None
+    dims = (((1,), (1,)), ((), ()))
+
+    def dot(a, w):  # a [tm, kk], w [bo, kk] -> [tm, bo] fp32
+        return lax.dot_general(a.astype(cd), w.astype(cd), dims, precision=prec, preferred_element_type=F32)
+
+    @pl.when(live)
+    def _compute():
+        g = bg_ref[j]
+
+        def step(kk, acc):
+            k0 = pl.multiple_of(kk * bk, bk)
+            if not scaled:
+                w = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(k0, bk)], omask)             # [bo, bk]
+                xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask)              # [tm, bk]
+                if cfg.mode == "dot":
+                    return acc + dot(xt, w)
+                wf = w.astype(cd).astype(F32)
+                if cfg.acc:
+                    return acc + xt.astype(F32)[:, None, :] * wf[None, :, :]                # [tm, bo, bk]
+                return acc + jnp.sum(xt.astype(F32)[:, None, :] * wf[None, :, :], axis=-1)
+            b0 = pl.multiple_of(kk * nkb, nkb)
+            if cfg.mode == "reduce" and cfg.acc:
+                c = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb), :], omask[:, :, None])  # [bo, nkb, 32]
+                s = _load(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb)], omask)               # [bo, nkb]
+                xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(b0, nkb), :], rmask[:, :, None])  # [tm, nkb, 32]
+                w = c.astype(F32) * scale_values(s, mult)[:, :, None]
+                return acc + xt.astype(F32)[:, None] * w[None]                             # [tm, bo, nkb, 32]
+            if cfg.mode == "reduce":
+                c = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb), :], omask[:, :, None])  # [bo, nkb, 32]
+                s = _load(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb)], omask)               # [bo, nkb]
+                xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(b0, nkb), :], rmask[:, :, None])  # [tm, nkb, 32]
+                part = jnp.sum(xt.astype(F32)[:, None] * c.astype(F32)[None], axis=-1)    # [tm, bo, nkb]
+                return acc + jnp.sum(part * scale_values(s, mult)[None], axis=-1)
+            if cfg.split:  # one 32-wide scale block at a time: 2-D tiles only
+                for i in range(nkb):
+                    c = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(k0 + i * QBLOCK, QBLOCK)], omask)  # [bo, 32]
+                    s = _load(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0 + i, 1)], omask)             # [bo, 1]
+                    xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0 + i * QBLOCK, QBLOCK)], rmask)
+                    acc = acc + dot(xt, c.astype(F32) * scale_values(s, mult))
+                return acc
+            c = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb), :], omask[:, :, None])     # [bo, nkb, 32]
+            s = _load(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb)], omask)                  # [bo, nkb]
+            w = (c.astype(F32) * scale_values(s, mult)[:, :, None]).reshape(bo, bk)
+            xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask)
+            return acc + dot(xt, w)
+
+        if cfg.mode == "reduce" and cfg.acc:
+            shape = (tm, bo, nkb, QBLOCK) if scaled else (tm, bo, bk)
+            acc = lax.fori_loop(0, K // bk, step, jnp.zeros(shape, F32))
+            while acc.ndim > 2:
+                acc = jnp.sum(acc, axis=-1)
+        else:
+            acc = lax.fori_loop(0, K // bk, step, jnp.zeros((tm, bo), F32))
+        _store(o_ref.at[pl.ds(r0, tm), pl.ds(o0, bo)], acc.astype(out_dtype), smask)
+
+    @pl.when(jnp.logical_not(live))
+    def _skip():
+        _store(o_ref.at[pl.ds(r0, tm), pl.ds(o0, bo)], jnp.zeros((tm, bo), out_dtype), smask)
+
+
+def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg: Config, interpret: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    R, K = x.shape
+    G, O, _ = codes.shape
+    scaled = scale is not None
+    nb = R // bm
+    cd = x.dtype
+    args = [jnp.asarray(n_blocks, jnp.int32).reshape(1), block_group.astype(jnp.int32)]
+    if scaled and not (cfg.mode == "dot" and cfg.split):
+        # 32-input scale blocks as their own axis (free views of contiguous arrays)
+        codes_v = codes.reshape(G, O, K // QBLOCK, QBLOCK)
+        x_v = x.reshape(R, K // QBLOCK, QBLOCK) if cfg.mode == "reduce" else x
+    else:
+        codes_v, x_v = codes, x
+    args += [x_v, codes_v] + ([scale] if scaled else [])
+    kernel = functools.partial(_kernel, cfg=cfg, bm=bm, O=O, K=K, scaled=scaled, mult=mult, cd=cd,
+                               out_dtype=out_dtype)
+    grid = (pl.cdiv(O, cfg.bo), nb)
+    wbytes = jnp.dtype(codes.dtype).itemsize * O * K + (O * K // QBLOCK if scaled else 0)
+    cost = pl.CostEstimate(flops=2 * R * O * K, transcendentals=0,
+                           bytes_accessed=nb * wbytes + x.nbytes + R * O * jnp.dtype(out_dtype).itemsize)
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                                                       num_stages=cfg.num_stages))
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((R, O), out_dtype), grid=grid,
+                          interpret=interpret, cost_estimate=cost, name="grouped_qmatmul", **kw)(*args)
+
+
+def kernel_impl(impl: str = "auto") -> str:
+    """Resolve ``impl``: ``auto`` -> ``DSV41_QMATMUL_IMPL`` if set, else triton on GPU, xla elsewhere."""
+    if impl == "auto":
+        impl = os.environ.get("DSV41_QMATMUL_IMPL", "auto")
+    if impl not in _IMPLS:
+        raise ValueError(f"grouped_qmatmul: impl {impl!r} not in {_IMPLS}")
+    if impl == "auto":
+        impl = "triton" if jax.default_backend() == "gpu" else "xla"
+    return impl
+
+
+def grouped_qmatmul(x, block_group, n_blocks, codes, scale=None, *, bm: int, out_dtype=None,
+                    mult: float | None = None, impl: str = "auto", mode: str = "auto", **tiles):
+    """``x`` [R, K] times the weight of group ``block_group[j]`` for every ``bm``-row block ``j``.
+
+    ``codes`` [G, O, K] (or [O, K]): int8 / float8_e4m3fn codes with ``scale`` [G, O, K // 32]
+    uint8 ue8m0 bytes, or plain float weights with ``scale=None``; the compute dtype is
+    ``x.dtype`` (weights are dequantized to it), accumulation fp32, result ``out_dtype``
+    (default ``x.dtype``) [R, O]; blocks ``>= n_blocks`` are zeros. ``mode`` / ``tiles``
+    (``Config`` fields) tune the kernel; see the module docstring."""
+    codes, scale = _grouped(codes, scale)
+    R, K, G, O = _check(x, block_group, codes, scale, bm)
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    mult = default_mult(codes.dtype) if mult is None else float(mult)
+    impl = kernel_impl(impl)
+    if impl == "xla":
+        return grouped_qmatmul_reference(x, block_group, n_blocks, codes, scale, bm=bm,
+                                         out_dtype=out_dtype, mult=mult)
+    cfg = choose_config(bm, O, K, scale is not None, mode, **tiles)
+    return _pallas(x, block_group, n_blocks, codes, scale, bm=bm, out_dtype=out_dtype, mult=mult, cfg=cfg,
+                   interpret=impl == "interpret")

@@ -1,0 +1,209 @@
+"""Grouped matmul against quantized weights (dsv41_jax.kernels.qmatmul): the Pallas kernel run by
+the Pallas interpreter against the XLA reference, the reference against a float64 loop, and the
+MoE "pallas" path against ``MoE.routed_dense``."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.config import preset, with_text_overrides
+from dsv41_jax.kernels import qmatmul as Q
+from dsv41_jax.model.moe import MoE, StackedWeight, pallas_chunk
+from dsv41_jax.numerics import Numerics
+
+F32 = jnp.float32
+
+
+def _weights(rng, kind, G, O, K):
+    if kind == "int8":
+        codes = jnp.asarray(rng.integers(-12, 13, (G, O, K)), jnp.int8)
+    elif kind == "fp8":
+        codes = jnp.asarray(rng.standard_normal((G, O, K)) * 4, F32).astype(jnp.float8_e4m3fn)
+    else:
+        return jnp.asarray(rng.standard_normal((G, O, K)) * 0.3, jnp.bfloat16), None
+    scale = rng.integers(118, 136, (G, O, K // 32))
+    scale[0, 0, 0] = 0  # byte 0 means 2^-127, not zero
+    return codes, jnp.asarray(scale, jnp.uint8)
+
+
+def _np_grouped(x, block_group, n_blocks, codes, scale, bm, mult):
+    """float64 loop: the definition in the module docstring."""
+    x = np.asarray(x, np.float64)
+    c = np.asarray(codes.astype(F32), np.float64)
+    if scale is not None:
+        s = np.exp2(np.asarray(scale, np.float64) - 127.0)
+        c = c * mult * np.repeat(s, 32, axis=-1)
+    out = np.zeros((x.shape[0], c.shape[1]))
+    for j, g in enumerate(np.asarray(block_group)):
+        if j < n_blocks:
+            out[j * bm:(j + 1) * bm] = x[j * bm:(j + 1) * bm] @ c[g].T
+    return out
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def test_dequantize_matches_stacked_weight():
+    rng = np.random.default_rng(0)
+    codes, scale = _weights(rng, "int8", 3, 8, 64)
+    scale = scale.at[1, 2, 1].set(0).at[2, 3, 0].set(255 - 1)
+    for dt in (F32, jnp.bfloat16):
+        np.testing.assert_array_equal(np.asarray(Q.dequantize(codes, scale, dt), np.float32),
+                                      np.asarray(StackedWeight._dequant(codes, scale, dt), np.float32))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "bf16"])
+def test_reference_matches_float64_loop(kind):
+    rng = np.random.default_rng(1)
+    G, O, K, bm, nb = 4, 24, 96, 2, 5
+    codes, scale = _weights(rng, kind, G, O, K)
+    x = jnp.asarray(rng.standard_normal((nb * bm, K)), F32)
+    bg = jnp.asarray(rng.integers(0, G, nb), jnp.int32)
+    got = Q.grouped_qmatmul_reference(x, bg, 4, codes, scale, bm=bm)
+    want = _np_grouped(x, bg, 4, codes, scale, bm, Q.default_mult(codes.dtype))
+    assert _rel(got, want) < 1e-6
+    assert np.all(np.asarray(got[4 * bm:]) == 0)
+
+
+# (kind, G, O, K, bm, n_blocks, used, mode, tiles): decode GEMV blocks, padded dot blocks,
+# prefill blocks of 64 / 128 rows with unused blocks, one group with output widths that no
+# tile divides
+CASES = [
+    ("int8", 6, 40, 256, 1, 7, 7, "auto", {}),
+    ("int8", 6, 40, 256, 1, 7, 7, "reduce", {}),
+    ("int8", 6, 40, 256, 1, 7, 5, "reduce", {"acc": False}),
+    ("int8", 5, 48, 128, 4, 4, 3, "auto", {}),
+    ("int8", 5, 48, 128, 4, 4, 3, "reduce", {}),
+    ("int8", 3, 72, 128, 64, 3, 2, "auto", {}),
+    ("int8", 3, 72, 128, 64, 3, 2, "dot", {"split": True}),
+    ("int8", 2, 40, 64, 128, 3, 1, "auto", {"bo": 32}),
+    ("fp8", 1, 72, 256, 1, 3, 3, "auto", {}),
+    ("fp8", 1, 72, 256, 1, 3, 3, "reduce", {"bo": 32}),
+    ("fp8", 1, 40, 128, 8, 2, 2, "auto", {}),
+    ("fp8", 1, 96, 128, 32, 2, 2, "auto", {"bo": 64}),
+    ("bf16", 6, 40, 96, 1, 6, 5, "auto", {}),
+    ("bf16", 6, 40, 96, 1, 6, 5, "reduce", {}),
+    ("bf16", 3, 48, 128, 64, 3, 2, "auto", {}),
+]
+
+
+def _case_id(c):
+    flags = "".join(f"-{k}{v}" for k, v in sorted(c[8].items()))
+    return f"{c[0]}-G{c[1]}-O{c[2]}-bm{c[4]}-used{c[6]}-{c[7]}{flags}"
+
+
+@pytest.mark.parametrize("kind,G,O,K,bm,nb,used,mode,tiles", CASES, ids=[_case_id(c) for c in CASES])
+def test_kernel_interpret_matches_reference(kind, G, O, K, bm, nb, used, mode, tiles):
+    rng = np.random.default_rng(2)
+    codes, scale = _weights(rng, kind, G, O, K)
+    x = jnp.asarray(rng.standard_normal((nb * bm, K)), jnp.bfloat16)
+    bg = jnp.asarray(rng.integers(0, G, nb), jnp.int32)
+    if G > 1:
+        bg = bg.at[0].set(G - 1)  # the last group's offset is reached
+    dense = G == 1 and kind == "fp8"
+    cw, sw = (codes[0], scale[0]) if dense else (codes, scale)  # dense weights: [O, K] + [O, K/32]
+    cfg = Q.choose_config(bm, O, K, sw is not None, mode, **tiles)
+    assert cfg.mode == ("dot" if mode == "auto" else mode)
+    got = Q.grouped_qmatmul(x, bg, used, cw, sw, bm=bm, out_dtype=F32, impl="interpret", mode=mode, **tiles)
+    ref = Q.grouped_qmatmul_reference(x, bg, used, cw, sw, bm=bm, out_dtype=F32)
+    assert got.shape == (nb * bm, O)
+    assert _rel(got, ref) < 1e-6  # fp32 outputs: only the summation order differs
+    assert np.all(np.asarray(got[used * bm:]) == 0)
+    assert np.max(np.abs(np.asarray(got[: used * bm]))) > 0
+    # bf16 output: one rounding of the fp32 sum, so at most one bf16 ulp apart
+    got16 = Q.grouped_qmatmul(x, bg, used, cw, sw, bm=bm, out_dtype=jnp.bfloat16, impl="interpret", mode=mode, **tiles)
+    ref32 = np.asarray(ref, np.float64)
+    ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(ref32), 1e-30))) - 7)
+    assert np.all(np.abs(np.asarray(got16, np.float64) - ref32) <= ulp + 1e-30)
+
+
+def test_kernel_interpret_fp32_compute():
+    rng = np.random.default_rng(3)
+    codes, scale = _weights(rng, "int8", 4, 40, 128)
+    x = jnp.asarray(rng.standard_normal((32, 128)), F32)
+    bg = jnp.asarray([3, 1], jnp.int32)
+    want = _np_grouped(x, bg, 2, codes, scale, 16, 0.5)
+    for mode, tiles in (("dot", {}), ("reduce", {}), ("reduce", {"acc": True})):
+        got = Q.grouped_qmatmul(x, bg, 2, codes, scale, bm=16, impl="interpret", mode=mode, **tiles)
+        assert got.dtype == F32
+        assert _rel(got, want) < 2e-6, mode
+    wf = jnp.asarray(rng.standard_normal((4, 40, 128)), F32)  # fp32 weights, no scale
+    got = Q.grouped_qmatmul(x, bg, 2, wf, None, bm=16, impl="interpret")
+    assert _rel(got, _np_grouped(x, bg, 2, wf, None, 16, 1.0)) < 2e-6
+
+
+def test_kernel_rejects_bad_shapes():
+    rng = np.random.default_rng(4)
+    codes, scale = _weights(rng, "int8", 2, 8, 64)
+    x = jnp.zeros((6, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="multiple of bm"):
+        Q.grouped_qmatmul(x, jnp.zeros((1,), jnp.int32), 1, codes, scale, bm=4, impl="interpret")
+    with pytest.raises(ValueError, match="scale"):
+        Q.grouped_qmatmul(x, jnp.zeros((6,), jnp.int32), 1, codes, scale[:, :, :1], bm=1, impl="interpret")
+    with pytest.raises(ValueError, match="impl"):
+        Q.grouped_qmatmul(x, jnp.zeros((6,), jnp.int32), 1, codes, scale, bm=1, impl="cuda")
+
+
+# ------------------------------------------------------------------------------ MoE integration
+def _moe(numerics, int8: bool, seed: int = 0):
+    cfg = with_text_overrides(preset("tiny"), n_routed_experts=24, num_experts_per_tok=3, moe_intermediate_size=96)
+    t = cfg.text
+    moe = MoE(t, numerics, vision=False, experts_int8=int8)
+    rng = np.random.default_rng(seed)
+    E, D, I = t.n_routed_experts, t.hidden_size, t.moe_intermediate_size
+    moe.gate.weight.set_value(jnp.asarray(rng.standard_normal((E, D)) * 0.3, numerics.dtype))
+    moe.gate.bias.set_value(jnp.asarray(rng.standard_normal(E) * 0.1, F32))
+    for name, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+        p = getattr(moe.experts, name)
+        if int8:
+            p.weight.set_value(jnp.asarray(rng.integers(-12, 13, (E, o, i)), jnp.int8))
+            p.scale.set_value(jnp.asarray(rng.integers(122, 126, (E, o, i // 32)), jnp.uint8))
+        else:
+            p.weight.set_value(jnp.asarray(rng.standard_normal((E, o, i)) * 0.15, numerics.dtype))
+    moe.experts.quantized = numerics.fake_quant  # the act fake-quant points run in reference numerics
+    return t, moe
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "float"])
+@pytest.mark.parametrize("numerics", [Numerics("float32", "fast"), Numerics("bfloat16", "reference")],
+                         ids=["fp32-fast", "bf16-reference"])
+def test_moe_pallas_path_matches_dense(numerics, int8, monkeypatch):
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    t, moe = _moe(numerics, int8)
+    rng = np.random.default_rng(5)
+    dense, pallas, grouped = jax.jit(moe.routed_dense), jax.jit(moe.routed_pallas), jax.jit(moe.routed_grouped)
+    # bf16: g, u, h and each expert output are rounded to bf16; a different fp32 summation order
+    # may move one of those roundings by one ulp (2^-8 relative)
+    tol = 1e-5 if numerics.dtype == F32 else 2 ** -7
+    for T in (3, 40):  # 9 pairs < 24 experts: GEMV per pair; 120 pairs: sorted 16-row blocks
+        x = jnp.asarray(rng.standard_normal((T, t.hidden_size)), numerics.dtype)
+        w, ids = moe.gate(x)
+        want = np.asarray(dense(x, w, ids))
+        got = np.asarray(pallas(x, w, ids))
+        assert _rel(got, want) <= tol, T
+        # the grouped XLA loop has the same per-pair structure: equal up to fp32 summation order
+        assert _rel(got, grouped(x, w, ids)) <= (1e-5 if numerics.dtype == F32 else 2 ** -8), T
+        assert _rel(pallas(x, w, (ids + 1) % t.n_routed_experts), want) > 100 * tol  # a wrong expert shows
+    # the forced path through MoE.__call__ (plus the shared expert)
+    monkeypatch.setenv("DSV41_MOE_PATH", "pallas")
+    y_p = np.asarray(jax.jit(lambda a: moe(a))(x), np.float64)
+    monkeypatch.setenv("DSV41_MOE_PATH", "dense")
+    y_d = np.asarray(jax.jit(lambda a: moe(a))(x), np.float64)
+    assert _rel(y_p, y_d) <= 2 * tol
+
+
+def test_moe_path_selection(monkeypatch):
+    t, moe = _moe(Numerics("float32", "fast"), True)
+    monkeypatch.setenv("DSV41_KERNELS", "pallas")
+    # the automatic choice switches to the kernels only on a GPU backend
+    assert moe._path(100, 3) == ("pallas" if jax.default_backend() == "gpu" else "grouped")
+    monkeypatch.setenv("DSV41_KERNELS", "triton")
+    with pytest.raises(ValueError, match="DSV41_KERNELS"):
+        moe._path(100, 3)
+    monkeypatch.setenv("DSV41_MOE_PATH", "pallas")
+    assert moe._path(1, 3) == "pallas"
+    assert pallas_chunk(12288, 384) == 32 and pallas_chunk(49152, 384) == 128 and pallas_chunk(384, 384) == 16
