@@ -37,6 +37,7 @@ from dsv41_jax.numerics import Numerics  # noqa: E402
 RESULTS = []
 TAG = ""
 MM_TFLOP_S = None  # measured bf16 matmul rate of this call (set by main)
+MOE_PATHS = ("auto",)  # MoE paths the per-part breakdown times (--breakdown-moe-paths)
 
 
 def emit(**kw):
@@ -261,7 +262,10 @@ def bench_breakdown(model, cfg, B, ctx, copy_tb_s, prefill: int = 0, mm_tflop_s=
         ex = layer.ffn.experts
         moe_b = nbytes(layer.ffn) - nbytes(ex) + nbytes(ex) / E * distinct
         moe_f = 2.0 * S * (k + 1) * 3 * t.moe_intermediate_size * D
-        run(f"moe_L{l}", layer.ffn, lambda m: m(x), nbytes=moe_b, flops=moe_f)
+        for pth in MOE_PATHS:
+            os.environ["DSV41_MOE_PATH"] = pth
+            run(f"moe_L{l}[{pth}]", layer.ffn, lambda m: m(x), nbytes=moe_b, flops=moe_f)
+        os.environ["DSV41_MOE_PATH"] = "auto"
         if prefill:  # the MoE of the other layers costs the same
             break
         if layer.engram is not None:
@@ -476,6 +480,7 @@ def main():
     ap.add_argument("--kernels", default=None, choices=["xla", "pallas"], help="sets DSV41_KERNELS")
     ap.add_argument("--breakdown", default="", help="batches for the per-part decode breakdown, e.g. 1,64")
     ap.add_argument("--breakdown-prefill", type=int, default=0, help="per-part breakdown of a prefill of N tokens")
+    ap.add_argument("--breakdown-moe-paths", default="auto", help="MoE paths timed in the breakdown, e.g. auto,pallas")
     ap.add_argument("--no-release-quant", action="store_true",
                     help="do not mark the release's fp8/fp4 linears quantized (no activation fake-quant)")
     ap.add_argument("--compile-shapes", default="decode:1,decode:64,prefill:8192",
@@ -492,8 +497,9 @@ def main():
     jax.config.update("jax_default_matmul_precision", "default")
     emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
     copy_tb_s, mm_tflop_s = ceilings() if "ceil" not in skip else (None, None)
-    global MM_TFLOP_S
+    global MM_TFLOP_S, MOE_PATHS
     MM_TFLOP_S = mm_tflop_s
+    MOE_PATHS = tuple(a.breakdown_moe_paths.split(","))
     numerics = Numerics("bfloat16", "reference")
     compile_shapes = [(k, int(n)) for k, n in (x.split(":") for x in a.compile_shapes.split(",") if x)]
     if "compile" not in skip and not a.compile_last:
