@@ -222,28 +222,29 @@ def main():
     # ---------------------------------------------------------------- dense fp8 GEMV
     dense_w = {}
 
-    def dense_case(B, impl, cfg=None, section="dense"):
+    def dense_case(B, impl, cfg=None, section="dense", bm=None):
         O, K = DENSE_O, D
         if not dense_w:
             dense_w["w"] = (jax.random.normal(kx, (O, K), F32) * 4).astype(jnp.float8_e4m3fn)
             dense_w["s"] = jax.random.randint(ka, (O, K // 32), 120, 127, dtype=jnp.int32).astype(jnp.uint8)
             dense_w["wb"] = jax.random.normal(kx, (O, K), F32).astype(BF16)
-        g0 = jnp.zeros((1,), jnp.int32)
+        bm = B if bm is None else bm
+        g0 = jnp.zeros((B // bm,), jnp.int32)
         x = jax.random.normal(kb, (B, K), F32).astype(BF16)
         cfg = cfg or {}
 
         def fn(i, s_, x, w, s, wb):
             xi = x + s_.astype(BF16)
             if impl == "xla-dequant":
-                return Q.grouped_qmatmul_reference(xi, g0, 1, w, s, bm=B, out_dtype=BF16)
+                return Q.grouped_qmatmul_reference(xi, g0, B // bm, w, s, bm=bm, out_dtype=BF16)
             if impl == "xla-bf16":
                 return jnp.einsum("bk,ok->bo", xi, wb, preferred_element_type=F32).astype(BF16)
-            return Q.grouped_qmatmul(xi, g0, 1, w, s, bm=B, out_dtype=BF16, impl=IMPL, **cfg)
+            return Q.grouped_qmatmul(xi, g0, B // bm, w, s, bm=bm, out_dtype=BF16, impl=IMPL, **cfg)
 
-        t, c = timeit(fn, x, dense_w["w"], dense_w["s"], dense_w["wb"], reps=20)
+        t, c = timeit(fn, x, dense_w["w"], dense_w["s"], dense_w["wb"], reps=20 if B <= 64 else 3)
         nbytes = O * K * (2 if impl == "xla-bf16" else 1) + (O * K // 32 if impl != "xla-bf16" else 0) + B * K * 2
-        emit(section=section, O=O, K=K, batch=B, impl=impl, cfg=cfg, us=round(t * 1e6, 1),
-             TBps=round(nbytes / t / 1e12, 3), compile_s=round(c, 1))
+        emit(section=section, O=O, K=K, batch=B, bm=bm, impl=impl, cfg=cfg, us=round(t * 1e6, 1),
+             TBps=round(nbytes / t / 1e12, 3), TFLOPs=round(2 * B * O * K / t / 1e12, 1), compile_s=round(c, 1))
 
     # ---------------------------------------------------------------- sweeps (tile / mode variants)
     gemv_cfgs = [dict(mode="reduce", acc=True, bo=32, bk=256), dict(mode="reduce", acc=True, bo=16, bk=256),
@@ -272,6 +273,10 @@ def main():
                                              dict(mode="dot", bo=32, bk=256)]:
                 if left() > 0:
                     guarded("sweep-dense", batch=B, cfg=cfg)(lambda: dense_case(B, "triton", cfg=cfg, section="sweep-dense"))
+        for cfg in ({}, dict(group_rows=8), dict(group_rows=16), dict(bo=128, bk=128, group_rows=8)):
+            if left() > 0:  # dense prefill: 2048 rows in 64-row blocks on one weight (launch order)
+                guarded("sweep-dense", batch=2048, cfg=cfg)(
+                    lambda: dense_case(2048, "triton", cfg=cfg, section="sweep-dense", bm=64))
         for cfg in (dict(mode="reduce", acc=True, bo=32, bk=256), dict(mode="dot", bo=64, bk=128)):
             if left() > 0:
                 @guarded("sweep-gemv", weights="bf16")

@@ -134,7 +134,10 @@ class Config:
     (a power of two dividing K); ``split``: "dot" mode dequantizes and multiplies each 32-wide
     scale block separately (no in-register reshape) instead of the whole ``bk`` step at once;
     ``acc``: "reduce" mode keeps an accumulator of the product's shape and reduces it once after
-    the K loop (no cross-lane reduction per step)."""
+    the K loop (no cross-lane reduction per step); ``group_rows`` > 0: a 1-D launch order that
+    walks ``group_rows`` row blocks x all output tiles at a time (x and weight tiles both reused
+    from L2; for many row blocks on one group, e.g. dense prefill), 0: output tiles of one row
+    block run next to each other (the x tile is reused; weights once per row block)."""
     mode: str
     tm: int
     bo: int
@@ -143,6 +146,7 @@ class Config:
     num_stages: int
     split: bool = False
     acc: bool = False
+    group_rows: int = 0
 
 
 def _pow2_at_least(n: int) -> int:
@@ -209,14 +213,23 @@ def _store(ref, val, mask):
     plgpu.store(ref, val, mask=jnp.broadcast_to(mask, val.shape))
 
 
-def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, O: int, K: int,
+def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, O: int, K: int,
             scaled: bool, mult: float, cd, out_dtype):
     from jax.experimental import pallas as pl
 
     s_ref, o_ref = rest if scaled else (None, rest[0])
     tm, bo, bk = cfg.tm, cfg.bo, cfg.bk
     nkb = bk // QBLOCK
-    oi, j = pl.program_id(0), pl.program_id(1)
+    if cfg.group_rows:
+        n_o = pl.cdiv(O, bo)
+        per_group = cfg.group_rows * n_o
+        pid = pl.program_id(0)
+        first = (pid // per_group) * cfg.group_rows
+        size = jnp.minimum(nb - first, cfg.group_rows)
+        local = pid % per_group
+        oi, j = local // size, first + local % size
+    else:
+        oi, j = pl.program_id(0), pl.program_id(1)
     o0 = pl.multiple_of(oi * bo, bo)
     r0 = j * bm
     rmask = lax.broadcasted_iota(jnp.int32, (tm, 1), 0) < bm          # rows of this block
@@ -302,9 +315,9 @@ def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg:
     else:
         codes_v, x_v = codes, x
     args += [x_v, codes_v] + ([scale] if scaled else [])
-    kernel = functools.partial(_kernel, cfg=cfg, bm=bm, O=O, K=K, scaled=scaled, mult=mult, cd=cd,
+    kernel = functools.partial(_kernel, cfg=cfg, bm=bm, nb=nb, O=O, K=K, scaled=scaled, mult=mult, cd=cd,
                                out_dtype=out_dtype)
-    grid = (pl.cdiv(O, cfg.bo), nb)
+    grid = (pl.cdiv(O, cfg.bo) * nb,) if cfg.group_rows else (pl.cdiv(O, cfg.bo), nb)
     wbytes = jnp.dtype(codes.dtype).itemsize * O * K + (O * K // QBLOCK if scaled else 0)
     cost = pl.CostEstimate(flops=2 * R * O * K, transcendentals=0,
                            bytes_accessed=nb * wbytes + x.nbytes + R * O * jnp.dtype(out_dtype).itemsize)
