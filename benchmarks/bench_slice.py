@@ -481,6 +481,8 @@ def main():
     ap.add_argument("--breakdown", default="", help="batches for the per-part decode breakdown, e.g. 1,64")
     ap.add_argument("--breakdown-prefill", type=int, default=0, help="per-part breakdown of a prefill of N tokens")
     ap.add_argument("--breakdown-moe-paths", default="auto", help="MoE paths timed in the breakdown, e.g. auto,pallas")
+    ap.add_argument("--compare-kernels", action="store_true",
+                    help="after everything, decode and prefill again with the other DSV41_KERNELS setting")
     ap.add_argument("--no-release-quant", action="store_true",
                     help="do not mark the release's fp8/fp4 linears quantized (no activation fake-quant)")
     ap.add_argument("--compile-shapes", default="decode:1,decode:64,prefill:8192",
@@ -524,16 +526,30 @@ def main():
     emit(what="build", layers=a.layers, param_gb=param_bytes(model) / 1e9, seconds=time.perf_counter() - t0,
          engram_rows=cfg.text.engram_num_embeddings, experts=a.experts, dense=a.dense)
     batches = [int(b) for b in a.batches.split(",")] if a.batches else []
-    for B in [int(b) for b in a.breakdown.split(",") if b]:
-        bench_breakdown(model, cfg, B, a.ctx, copy_tb_s or 2.4)
-    if a.breakdown_prefill:
-        bench_breakdown(model, cfg, 1, a.ctx, copy_tb_s or 2.4, prefill=a.breakdown_prefill, mm_tflop_s=mm_tflop_s)
     if "decode" not in skip:
         bench_decode(model, cfg, batches, a.ctx, copy_tb_s=copy_tb_s)
         if a.moe_paths:
             for pth in a.moe_paths.split(","):
                 bench_decode(model, cfg, batches, a.ctx, moe_path=pth, copy_tb_s=copy_tb_s)
             os.environ["DSV41_MOE_PATH"] = "auto"
+    if "prefill" not in skip:
+        bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
+    if "vit" not in skip and model.vision is not None:
+        bench_vit(model, cfg, 1024 if not a.small else 64)
+    for B in [int(b) for b in a.breakdown.split(",") if b]:
+        bench_breakdown(model, cfg, B, a.ctx, copy_tb_s or 2.4)
+    if a.breakdown_prefill:
+        bench_breakdown(model, cfg, 1, a.ctx, copy_tb_s or 2.4, prefill=a.breakdown_prefill, mm_tflop_s=mm_tflop_s)
+    if a.compare_kernels:  # the same decode / prefill with the other kernel setting
+        other = "xla" if os.environ.get("DSV41_KERNELS", "xla") == "pallas" else "pallas"
+        os.environ["DSV41_KERNELS"] = other
+        if "decode" not in skip:
+            bench_decode(model, cfg, batches, a.ctx, copy_tb_s=copy_tb_s)
+        if "prefill" not in skip:
+            from dsv41_jax.generate import _jitted
+
+            _jitted.cache_clear()  # the jitted forward is cached per graph: retrace under the new setting
+            bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
     if "engram_host" not in skip and "decode" not in skip:
         from dsv41_jax.model.engram import offload_engram_tables
 
@@ -541,10 +557,6 @@ def main():
         moved = offload_engram_tables(model)
         emit(what="engram_offload", bytes=moved, seconds=time.perf_counter() - t0)
         bench_decode(model, cfg, batches, a.ctx, moe_path="auto", tag="engram_table_on_host")
-    if "prefill" not in skip:
-        bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
-    if "vit" not in skip and model.vision is not None:
-        bench_vit(model, cfg, 1024 if not a.small else 64)
     if "compile" not in skip and a.compile_last:
         del model
         bench_compile_full(numerics, compile_shapes, a.experts == "int8")
