@@ -483,6 +483,7 @@ def main():
     ap.add_argument("--breakdown-moe-paths", default="auto", help="MoE paths timed in the breakdown, e.g. auto,pallas")
     ap.add_argument("--compare-kernels", action="store_true",
                     help="after everything, decode and prefill again with the other DSV41_KERNELS setting")
+    ap.add_argument("--vit-modes", default="bf16,fp32", help="vision attention modes timed")
     ap.add_argument("--no-release-quant", action="store_true",
                     help="do not mark the release's fp8/fp4 linears quantized (no activation fake-quant)")
     ap.add_argument("--compile-shapes", default="decode:1,decode:64,prefill:8192",
@@ -535,7 +536,7 @@ def main():
     if "prefill" not in skip:
         bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
     if "vit" not in skip and model.vision is not None:
-        bench_vit(model, cfg, 1024 if not a.small else 64)
+        bench_vit(model, cfg, 1024 if not a.small else 64, modes=tuple(a.vit_modes.split(",")))
     for B in [int(b) for b in a.breakdown.split(",") if b]:
         bench_breakdown(model, cfg, B, a.ctx, copy_tb_s or 2.4)
     if a.breakdown_prefill:
