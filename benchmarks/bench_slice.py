@@ -40,6 +40,12 @@ MM_TFLOP_S = None  # measured bf16 matmul rate of this call (set by main)
 MOE_PATHS = ("auto",)  # MoE paths the per-part breakdown times (--breakdown-moe-paths)
 
 
+def _kernels() -> str:
+    from dsv41_jax.kernels import use_pallas
+
+    return "pallas" if use_pallas() else "xla"
+
+
 def emit(**kw):
     if TAG:
         kw["tag"] = TAG
@@ -240,7 +246,7 @@ def bench_breakdown(model, cfg, B, ctx, copy_tb_s, prefill: int = 0, mm_tflop_s=
         f = jax.jit(lambda st, *a: fn(nnx.merge(g, st), *a))
         try:
             sec, _ = bench(f, st, *args, iters=10 if not prefill else 3)
-            row = dict(what=what, part=name, batch=B, tokens=S, seconds=sec, kernels=os.environ.get("DSV41_KERNELS", "xla"))
+            row = dict(what=what, part=name, batch=B, tokens=S, seconds=sec, kernels=_kernels())
             if nbytes and not prefill:
                 row.update(bytes=nbytes, roofline_s=nbytes / (copy_tb_s * 1e12), tb_per_s=nbytes / sec / 1e12)
             if flops and prefill:
@@ -323,7 +329,7 @@ def bench_decode(model, cfg, batches, ctx, moe_path="auto", tag="engram_table_on
                 ts.append(time.perf_counter() - t3)
             step = float(np.median(ts))
             row = dict(what="decode_step", batch=B, ctx=ctx, layers=t.num_hidden_layers, moe_path=moe_path,
-                       kernels=os.environ.get("DSV41_KERNELS", "xla"), engram=tag, seconds=step,
+                       kernels=_kernels(), engram=tag, seconds=step,
                        lower_s=t1 - t0, compile_s=t2 - t1, first_run_s=first_run, tokens_per_s=B / step)
             if copy_tb_s:
                 nb = decode_bytes(model, cfg, B, ctx)
@@ -383,7 +389,7 @@ def bench_prefill(model, cfg, lengths, mm_tflop_s=None):
             run = float(np.median(ts))
             fl = prefill_flops(model, cfg, S)
             row = dict(what="prefill", tokens=S, layers=cfg.text.num_hidden_layers, seconds=run, first_call_s=first,
-                       tokens_per_s=S / run, flops=fl, kernels=os.environ.get("DSV41_KERNELS", "xla"))
+                       tokens_per_s=S / run, flops=fl, kernels=_kernels())
             if mm_tflop_s:
                 row.update(mfu=fl / run / (mm_tflop_s * 1e12))
             emit(**row)
@@ -542,7 +548,7 @@ def main():
     if a.breakdown_prefill:
         bench_breakdown(model, cfg, 1, a.ctx, copy_tb_s or 2.4, prefill=a.breakdown_prefill, mm_tflop_s=mm_tflop_s)
     if a.compare_kernels:  # the same decode / prefill with the other kernel setting
-        other = "xla" if os.environ.get("DSV41_KERNELS", "xla") == "pallas" else "pallas"
+        other = "xla" if _kernels() == "pallas" else "pallas"
         os.environ["DSV41_KERNELS"] = other
         if "decode" not in skip:
             bench_decode(model, cfg, batches, a.ctx, copy_tb_s=copy_tb_s)

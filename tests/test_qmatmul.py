@@ -209,3 +209,26 @@ def test_moe_path_selection(monkeypatch):
     monkeypatch.setenv("DSV41_MOE_PATH", "pallas")
     assert moe._path(1, 3) == "pallas"
     assert pallas_chunk(12288, 384) == 32 and pallas_chunk(49152, 384) == 128 and pallas_chunk(384, 384) == 16
+
+
+def test_kernels_default_by_device(monkeypatch):
+    """``DSV41_KERNELS`` unset = auto: the Pallas kernels only on a GPU of compute capability >= 9
+    (where they were measured); ``xla`` never, ``pallas`` on any GPU; off the GPU never."""
+    from dsv41_jax.kernels import use_pallas
+
+    class Dev:
+        def __init__(self, cap):
+            self.compute_capability = cap
+
+    monkeypatch.delenv("DSV41_KERNELS", raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert not use_pallas()
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for cap, want in (("9.0", True), ("10.0", True), ("8.0", False), ("8.9", False)):
+        monkeypatch.setattr(jax, "devices", lambda cap=cap: [Dev(cap)])
+        assert use_pallas() is want, cap
+        monkeypatch.setenv("DSV41_KERNELS", "pallas")
+        assert use_pallas()
+        monkeypatch.setenv("DSV41_KERNELS", "xla")
+        assert not use_pallas()
+        monkeypatch.delenv("DSV41_KERNELS")

@@ -215,13 +215,25 @@ def _child_moe(out: dict):
         ("float32", "fast", 64, (48,), ((1, 2, 2),)),
         ("bfloat16", "reference", 64, (48,), ((2, 2, 1), (1, 2, 2))),
     )
-    for cdt, mode, E, Ts, meshes in cases:
+    # int8 experts (codes + ue8m0 scales go into shard_map sharded like the weights; each shard
+    # dequantizes what it reads): decode gather, local dense with the intermediate split, grouped
+    cases = tuple((*c, False) for c in cases) + (
+        ("float32", "fast", 8, (2, 24), ((1, 2, 2), (1, 4, 2)), True),
+        ("bfloat16", "reference", 64, (48,), ((1, 2, 2),), True),
+    )
+    for cdt, mode, E, Ts, meshes, int8 in cases:
         num, quantized = Numerics(cdt, mode), mode == "reference"
         cfg = with_text_overrides(preset("tiny"), n_routed_experts=E, moe_intermediate_size=64)
-        m = MoE(cfg.text, num, vision=True)
+        m = MoE(cfg.text, num, vision=True, experts_int8=int8)
         st = nnx.state(m)
         for _, v in nnx.to_flat_state(st):
-            v.set_value(jnp.asarray(rng.normal(0, 0.2, v.get_value().shape), v.get_value().dtype))
+            a = v.get_value()
+            if a.dtype == jnp.int8:
+                v.set_value(jnp.asarray(rng.integers(-12, 13, a.shape), jnp.int8))
+            elif a.dtype == jnp.uint8:
+                v.set_value(jnp.asarray(rng.integers(122, 129, a.shape), jnp.uint8))
+            else:
+                v.set_value(jnp.asarray(rng.normal(0, 0.2, a.shape), a.dtype))
         nnx.update(m, st)
         m.experts.quantized = quantized
         for T in Ts:
@@ -245,7 +257,7 @@ def _child_moe(out: dict):
                 # fp32: 1e-5; bf16: two bf16 ulps of the largest output (fp32 summation order
                 # inside the matmuls may flip a rounding of an expert output)
                 tol = TOL if num.dtype == jnp.float32 else 2.0 ** -6
-                out[f"moe {cdt}/{mode} E={E} T={T} mesh={spec} ({path})"] = dict(
+                out[f"moe {cdt}/{mode}{' int8' if int8 else ''} E={E} T={T} mesh={spec} ({path})"] = dict(
                     ok=bool(err <= tol and ep), err=err, expert_parallel=ep)
 
 

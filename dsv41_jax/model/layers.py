@@ -62,14 +62,11 @@ FP8_EXACT_SCALES = (10, 246)
 
 
 def _use_kernel() -> bool:
-    """``DSV41_KERNELS=pallas`` (default ``xla``; read at trace time, as the MoE does) on a GPU
-    backend routes fp8 Linears to the fused dequant-GEMM kernel."""
-    import os
+    """fp8 Linears run the fused dequant-GEMM kernel where ``dsv41_jax.kernels.use_pallas`` says
+    (``DSV41_KERNELS``; by default on Hopper-class GPUs)."""
+    from dsv41_jax.kernels import use_pallas
 
-    kernels = os.environ.get("DSV41_KERNELS", "xla")
-    if kernels not in ("xla", "pallas"):
-        raise ValueError(f"DSV41_KERNELS={kernels!r}: use xla or pallas")
-    return kernels == "pallas" and jax.default_backend() == "gpu"
+    return use_pallas()
 
 
 def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
@@ -98,8 +95,8 @@ def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
 def fp8_matmul(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
     """``x @ W.T`` for an fp8-stored weight (codes [out, in] + ue8m0 bytes [out, in/32]).
 
-    The one call site of the fused dequant-GEMM kernel: ``DSV41_KERNELS=pallas`` on a GPU runs
-    ``fp8_matmul_kernel``. The default XLA path dequantizes to ``weight_dtype`` (the dtype the
+    The one call site of the fused dequant-GEMM kernel: where ``kernels.use_pallas()`` (by default
+    on Hopper-class GPUs) it runs ``fp8_matmul_kernel``. The default XLA path dequantizes to ``weight_dtype`` (the dtype the
     bf16 loader would have stored) and runs the plain ``matmul``: bit-identical to the model
     loaded with dequantized weights."""
     if _use_kernel():

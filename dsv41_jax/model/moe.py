@@ -289,17 +289,17 @@ class MoE(nnx.Module):
 
     def _path(self, T: int, k: int) -> str:
         """Routed-expert implementation for T tokens: ``DSV41_MOE_PATH`` (gather, dense, grouped,
-        ragged, pallas) overrides the choice by size; ``DSV41_KERNELS=pallas`` (default ``xla``)
-        makes the automatic choice the Pallas kernels on a GPU backend (both read at trace time)."""
+        ragged, pallas) overrides the choice by size; where ``kernels.use_pallas()`` (``DSV41_KERNELS``:
+        by default on Hopper-class GPUs) the automatic choice is the Pallas kernels (both read at
+        trace time)."""
         forced = os.environ.get("DSV41_MOE_PATH", "auto")
         if forced != "auto":
             if forced not in ("gather", "dense", "grouped", "ragged", "pallas"):
                 raise ValueError(f"DSV41_MOE_PATH={forced!r}: use auto, gather, dense, grouped, ragged or pallas")
             return forced
-        kernels = os.environ.get("DSV41_KERNELS", "xla")
-        if kernels not in ("xla", "pallas"):
-            raise ValueError(f"DSV41_KERNELS={kernels!r}: use xla or pallas")
-        if kernels == "pallas" and self.n_experts > 16 and jax.default_backend() == "gpu":
+        from dsv41_jax.kernels import use_pallas
+
+        if self.n_experts > 16 and use_pallas():
             return "pallas"
         if T * k < self.n_experts:
             return "gather"
