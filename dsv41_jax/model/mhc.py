@@ -1,6 +1,8 @@
 """Manifold-constrained hyper-connections: coefficients (fp32 Sinkhorn), collapse and expansion."""
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -9,11 +11,27 @@ from dsv41_jax.model.layers import einsum
 F32 = jnp.float32
 
 
+def sinkhorn_kernel_impl():
+    """``DSV41_SINKHORN`` (read at trace time): unset / ``xla`` (default): the jnp Sinkhorn below;
+    ``pallas``: the Pallas kernel (``dsv41_jax.kernels.sinkhorn``) on a GPU backend, the jnp
+    code elsewhere; ``interpret``: the kernel in the Pallas interpreter on any backend (tests).
+    Returns the kernel ``impl`` to use, or None for the jnp code. Opt-in: not measured on GPU yet."""
+    mode = os.environ.get("DSV41_SINKHORN", "xla") or "xla"
+    if mode not in ("xla", "pallas", "interpret"):
+        raise ValueError(f"DSV41_SINKHORN={mode!r}: use xla, pallas or interpret")
+    if mode == "interpret":
+        return "interpret"
+    if mode == "pallas" and jax.default_backend() == "gpu":
+        return "triton"
+    return None
+
+
 def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, hc_eps: float):
     """h: [..., n, D] stream -> (pre [..., n], post [..., n], comb [..., n, n]), all fp32.
 
     One RMS statistic per token over the flattened n*D stream; Sinkhorn = row softmax (+eps),
-    one column normalisation, then iters-1 (row, column) pairs.
+    one column normalisation, then iters-1 (row, column) pairs. ``DSV41_SINKHORN=pallas`` runs
+    the Sinkhorn as one Pallas kernel on GPU (opt-in, see :func:`sinkhorn_kernel_impl`).
     """
     n = hc_mult
     x = h.reshape(*h.shape[:-2], -1).astype(F32)
@@ -22,6 +40,11 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
     scale, base = scale.astype(F32), base.astype(F32)
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+    impl = sinkhorn_kernel_impl()
+    if impl is not None:  # opt-in Pallas kernel (DSV41_SINKHORN), same math
+        from dsv41_jax.kernels.sinkhorn import sinkhorn
+
+        return pre, post, sinkhorn(m[..., 2 * n:] * scale[2] + base[2 * n:], iters, hc_eps, impl)
     c = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
     c = jnp.exp(c - jnp.max(c, axis=-1, keepdims=True))
     c = c / jnp.sum(c, axis=-1, keepdims=True) + hc_eps
