@@ -40,21 +40,14 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
     scale, base = scale.astype(F32), base.astype(F32)
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
+    from dsv41_jax.kernels.sinkhorn import sinkhorn, sinkhorn_reference
+
+    logits = m[..., 2 * n:] * scale[2] + base[2 * n:]
     impl = sinkhorn_kernel_impl()
-    if impl is not None:  # opt-in Pallas kernel (DSV41_SINKHORN), same math
-        from dsv41_jax.kernels.sinkhorn import sinkhorn
-
-        return pre, post, sinkhorn(m[..., 2 * n:] * scale[2] + base[2 * n:], iters, hc_eps, impl)
-    c = (m[..., 2 * n:] * scale[2] + base[2 * n:]).reshape(*m.shape[:-1], n, n)
-    c = jnp.exp(c - jnp.max(c, axis=-1, keepdims=True))
-    c = c / jnp.sum(c, axis=-1, keepdims=True) + hc_eps
-    c = c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
-
-    def body(_, c):
-        c = c / (jnp.sum(c, axis=-1, keepdims=True) + hc_eps)
-        return c / (jnp.sum(c, axis=-2, keepdims=True) + hc_eps)
-
-    c = jax.lax.fori_loop(0, iters - 1, body, c, unroll=True)  # one fused kernel, not a device loop
+    if impl is None:  # default: the jnp formulation (unrolled pairs)
+        c = sinkhorn_reference(logits, iters, hc_eps)
+    else:  # opt-in Pallas kernel (DSV41_SINKHORN), same math
+        c = sinkhorn(logits, iters, hc_eps, impl)
     return pre, post, c
 
 
