@@ -59,6 +59,7 @@ _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 _VISION_RE = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)")
 _EXPERT_KEY_RE = re.compile(r"^(layers\.\d+\.ffn\.experts\.w[123])\.(weight|scale)$")
 _ENGRAM_TABLE_KEY_RE = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
+_INT8_EXPERT_RE = re.compile(r"\.ffn\.experts\.w[123]\.weight$")
 FP8_WEIGHT_ENC = "fp8_e4m3"  # dense Linear codes [out, in] (float8_e4m3fn)
 FP8_SCALE_ENC = "e8m0_rows"  # its ue8m0 bytes [out, in/32] (32x32 block scale repeated along out)
 SCALE_ENCODINGS = ("e8m0_per32", FP8_SCALE_ENC)  # stored next to their weight, restored with it
@@ -455,6 +456,10 @@ def save_model(model, path: str, *, overwrite: bool = False, compress: bool = Fa
             enc = "e8m0"
         elif name.endswith(".weight") and np.dtype(arr.dtype) == np.dtype("float8_e4m3fn"):
             enc = FP8_WEIGHT_ENC  # a Linear in fp8 storage
+        elif _INT8_EXPERT_RE.search(name) and np.dtype(arr.dtype) == np.dtype("int8"):
+            enc = "fp4x2_int8"  # routed experts kept int8 (experts_int8)
+        elif name.endswith(".scale") and _INT8_EXPERT_RE.search(name[: -len("scale")] + "weight"):
+            enc = "e8m0_per32"
         elif name.endswith(".scale") and (name[: -len("scale")] + "weight") in flat \
                 and np.dtype(flat[name[: -len("scale")] + "weight"][1].get_value().dtype) == np.dtype("float8_e4m3fn"):
             enc = FP8_SCALE_ENC

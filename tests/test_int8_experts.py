@@ -65,3 +65,23 @@ def test_restore_converted_int8_keeps_codes(tmp_path):
         bf16 = str(tmp_path / "bf16")
         convert_checkpoint(FP8, bf16, progress=False, log=lambda *a, **k: None)
         restore_model(bf16, num, text_only=True, experts_int8=True)
+
+
+def test_save_model_of_int8_experts_restores_both_ways(tmp_path):
+    """``save_model`` of an ``experts_int8`` model writes the ``--experts int8`` encoding: it
+    restores with ``experts_int8=True`` (codes and scales bit for bit) and dequantized (equal to
+    the dequantized load)."""
+    from dsv41_jax.checkpoint import read_meta, restore_model, save_model
+
+    num = Numerics("bfloat16", "reference")
+    q = load_original(FP8, num, text_only=True, experts_int8=True)
+    dst = save_model(q, str(tmp_path / "saved"), tokenizer_dir=FP8)
+    encs = {k: v["encoding"] for k, v in read_meta(dst)["params"].items() if ".ffn.experts." in k}
+    assert encs and all(e == ("fp4x2_int8" if k.endswith(".weight") else "e8m0_per32") for k, e in encs.items())
+    for restored, ref in ((restore_model(dst, num, text_only=True, experts_int8=True), q),
+                          (restore_model(dst, num, text_only=True), load_original(FP8, num, text_only=True))):
+        fa = nnx.to_flat_state(nnx.state(restored, nnx.Param))
+        fb = nnx.to_flat_state(nnx.state(ref, nnx.Param))
+        assert [p for p, _ in fa] == [p for p, _ in fb]
+        for (pa, va), (_, vb) in zip(fa, fb):
+            np.testing.assert_array_equal(np.asarray(va.get_value()), np.asarray(vb.get_value()), err_msg=str(pa))
