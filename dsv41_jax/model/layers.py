@@ -47,13 +47,9 @@ def dequant_fp8_weight(codes, scale, dtype):
     number with at most 4 significant bits, so the cast to bf16 is exact too (the loaders refuse
     other bytes). Traced inside the jitted caller, so only the GEMM operand is materialised.
     """
-    from dsv41_jax.quant import e8m0_to_f32_jax
+    from dsv41_jax.kernels import dequantize
 
-    v = codes.astype(F32)
-    *lead, o, i = v.shape
-    s = e8m0_to_f32_jax(scale)
-    w = v.reshape(*lead, o, i // FP8_GROUP, FP8_GROUP) * s[..., None]
-    return w.reshape(*lead, o, i).astype(dtype)
+    return dequantize(codes, scale, dtype)  # e4m3 codes: code * 2^(scale - 127), in fp32, one cast
 
 
 # e4m3 magnitudes are 2^-9 .. 448: with a scale byte s in this range every dequantized value is a

@@ -100,10 +100,9 @@ class StackedWeight(nnx.Module):
 
     @staticmethod
     def _dequant(codes, scale, dtype):
-        s = jax.lax.bitcast_convert_type(scale.astype(jnp.uint32) << 23, F32)
-        s = jnp.where(scale == 0, jnp.float32(2.0 ** -127), s) * 0.5
-        v = codes.astype(F32).reshape(*codes.shape[:-1], -1, 32) * s[..., None]
-        return v.reshape(codes.shape).astype(dtype)
+        from dsv41_jax.kernels import dequantize
+
+        return dequantize(codes, scale, dtype)  # int8 codes: code * 0.5 * 2^(scale - 127)
 
     def values(self, dtype):
         """All experts [E, out, in] in ``dtype``."""
