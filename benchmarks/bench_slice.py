@@ -176,14 +176,28 @@ def _leaves_by_path(model):
     return out
 
 
-def decode_bytes(model, cfg, B: int, ctx: int) -> dict:
+def measured_distinct(model, cfg, B: int, ctx: int, seed: int = 11) -> list:
+    """Distinct routed experts per layer that one decode step of B random tokens (the benchmark's
+    inputs, cache at ``ctx``) actually selects: with random weights the router need not spread
+    tokens uniformly, so the byte roofline uses these counts, not the uniform expectation."""
+    t = cfg.text
+    cache = model.init_cache(B, ctx + 64)
+    cache = dict(cache, length=jnp.full((B,), ctx, jnp.int32))
+    ids = jax.random.randint(jax.random.key(seed + B), (B, 1), 0, t.vocab_size).astype(jnp.int32)
+    cap = {}
+    model(ids, positions=jnp.full((B, 1), ctx, jnp.int32), valid=jnp.ones((B, 1), bool), cache=cache, capture=cap)
+    return [int(np.unique(np.asarray(cap[f"moe_topk_L{l}"])).size) for l in range(t.num_hidden_layers)]
+
+
+def decode_bytes(model, cfg, B: int, ctx: int, distinct_per_layer=None) -> dict:
     """Bytes one decode step must read (the roofline numerator), by part.
 
     Weights: every layer parameter except the routed experts and the Engram table; of the
     routed experts the expected number of distinct experts B tokens select (uniform routing:
     E * (1 - (1 - k/E)^B)); the head. Caches: the window ring, the top-k compressed entries
     gathered per token, all index keys an index source scores. Engram: the table rows the
-    tokens hash to. Activations are ignored (KBs)."""
+    tokens hash to. Activations are ignored (KBs). ``distinct_per_layer``: measured distinct
+    experts per layer (``measured_distinct``) in place of the uniform expectation."""
     t = cfg.text
     E, k = t.n_routed_experts, t.num_experts_per_tok
     leaves = _leaves_by_path(model)
@@ -196,7 +210,8 @@ def decode_bytes(model, cfg, B: int, ctx: int) -> dict:
                 parts["head"] += leaf.nbytes
             continue
         if ".ffn.experts." in key:
-            parts["routed_experts"] += leaf.nbytes / E * distinct
+            d = distinct if distinct_per_layer is None else distinct_per_layer[int(key.split(".")[1])]
+            parts["routed_experts"] += leaf.nbytes / E * d
         elif ".ffn." in key:
             parts["shared_expert+gate"] += leaf.nbytes
         elif ".engram.embed." in key:
@@ -339,6 +354,64 @@ def bench_decode(model, cfg, batches, ctx, moe_path="auto", tag="engram_table_on
             del cache, compiled
         except Exception as e:  # report and continue (OOM etc.)
             emit(what="decode_step", batch=B, moe_path=moe_path, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=None):
+    """Per-token decode time as users get it: ``generate``'s on-device while_loop (sampling,
+    stop checks and the model step per iteration; one dispatch per request). Times the loop
+    for ``n_tokens`` and for 8 tokens from the same compiled executable (the step count is an
+    array) and reports the difference per token, so dispatch and setup cancel out."""
+    from dsv41_jax.generate import DecodeState, _loop_jit, _split
+    from dsv41_jax.sampling import SamplingParams
+
+    graphdef, state = _split(model)
+    t = cfg.text
+    V = t.vocab_size
+    for B in batches:
+        try:
+            def fresh():
+                cache = model.init_cache(B, ctx + n_tokens + 64)
+                cache = dict(cache, length=jnp.full((B,), ctx, jnp.int32))
+                logits = jax.random.normal(jax.random.key(5 + B), (B, V), jnp.float32)
+                return DecodeState(tokens=jnp.full((B, n_tokens), -1, jnp.int32), logits=logits,
+                                   step=jnp.asarray(0, jnp.int32), done=jnp.zeros((B,), bool),
+                                   count=jnp.zeros((B,), jnp.int32), finish=jnp.zeros((B,), jnp.int32),
+                                   cache=cache, key=jax.random.PRNGKey(0))
+            args = (SamplingParams.greedy(B).pad(B), jnp.zeros((V,), bool), jnp.zeros((V,), bool),
+                    jnp.full((B,), n_tokens, jnp.int32))
+            fn = _loop_jit(graphdef)
+            t0 = time.perf_counter()
+            compiled = fn.lower(state, fresh(), *args, jnp.asarray(n_tokens, jnp.int32)).compile()
+            compile_s = time.perf_counter() - t0
+
+            def run(limit):
+                ds = fresh()
+                jax.block_until_ready(ds)
+                t1 = time.perf_counter()
+                out = compiled(state, ds, *args, jnp.asarray(limit, jnp.int32))
+                steps = int(out.step)
+                return time.perf_counter() - t1, steps
+
+            run(n_tokens)  # warm-up
+            long = [run(n_tokens) for _ in range(3)]
+            short = [run(8) for _ in range(3)]
+            tl = float(np.median([x[0] for x in long]))
+            ts = float(np.median([x[0] for x in short]))
+            per = (tl - ts) / (long[0][1] - short[0][1])
+            row = dict(what="decode_loop", batch=B, ctx=ctx, layers=t.num_hidden_layers, tokens=n_tokens,
+                       kernels=_kernels(), seconds_per_step=per, tokens_per_s=B / per, loop_s=tl,
+                       short_loop_s=ts, compile_s=compile_s)
+            if copy_tb_s:
+                nb = decode_bytes(model, cfg, B, ctx)
+                row.update(bytes_uniform=nb["total"], roofline_frac_uniform=nb["total"] / (copy_tb_s * 1e12) / per)
+                dist = measured_distinct(model, cfg, B, ctx)
+                nb = decode_bytes(model, cfg, B, ctx, dist)
+                row.update(distinct_experts=dist, bytes=nb["total"], roofline_s=nb["total"] / (copy_tb_s * 1e12),
+                           roofline_frac=nb["total"] / (copy_tb_s * 1e12) / per)
+            emit(**row)
+            del compiled
+        except Exception as e:  # report and continue
+            emit(what="decode_loop", batch=B, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def prefill_flops(model, cfg, S: int) -> float:
@@ -496,6 +569,8 @@ def main():
                     help="full 40-layer compiles to time: decode:BATCH / prefill:TOKENS")
     ap.add_argument("--compile-last", action="store_true", help="time the full-config compiles at the end")
     ap.add_argument("--tag", default="", help="free text copied into every result row")
+    ap.add_argument("--decode-loop", default="", help="batches timed through generate's while_loop (per token)")
+    ap.add_argument("--loop-tokens", type=int, default=64, help="tokens per timed decode loop")
     a = ap.parse_args()
     if a.kernels:
         os.environ["DSV41_KERNELS"] = a.kernels
@@ -533,6 +608,8 @@ def main():
     emit(what="build", layers=a.layers, param_gb=param_bytes(model) / 1e9, seconds=time.perf_counter() - t0,
          engram_rows=cfg.text.engram_num_embeddings, experts=a.experts, dense=a.dense)
     batches = [int(b) for b in a.batches.split(",")] if a.batches else []
+    if a.decode_loop:
+        bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens, copy_tb_s)
     if "decode" not in skip:
         bench_decode(model, cfg, batches, a.ctx, copy_tb_s=copy_tb_s)
         if a.moe_paths:

@@ -139,16 +139,11 @@ def banned_mask(banned, vocab: int):
     return m
 
 
-def filter_mask(z, params: SamplingParams):
-    """Tokens kept by top-k, then top-p, then min-p, on temperature-scaled logits ``z`` [B, V].
-
-    Returns bool [B, V] (see the module docstring for the exact rules)."""
-    z = z.astype(F32)
+def _sorted_thresholds(z, k, k_on, top_p):
+    """top-k and top-p thresholds [B] from the descending sort of ``z`` (the only O(V log V) part)."""
     V = z.shape[-1]
     zs = jnp.flip(jnp.sort(z, axis=-1), axis=-1)  # descending
     # top-k: threshold at the k-th largest value
-    k = params.top_k.astype(jnp.int32)
-    k_on = (k > 0) & (k < V)
     kth = jnp.take_along_axis(zs, jnp.clip(k - 1, 0, V - 1)[:, None], axis=-1)[:, 0]
     thr_k = jnp.where(k_on, kth, NEG_INF)
     # top-p on the sorted top-k survivors
@@ -156,12 +151,28 @@ def filter_mask(z, params: SamplingParams):
     ps = jax.nn.softmax(zs_k, axis=-1)
     excl = jnp.cumsum(ps, axis=-1)
     excl = jnp.concatenate([jnp.zeros_like(excl[:, :1]), excl[:, :-1]], axis=-1)
-    top_p = params.top_p.astype(F32)
     n_keep = jnp.sum(excl < top_p[:, None], axis=-1)  # >= 1: excl[0] = 0 < top_p
     thr_pv = jnp.take_along_axis(zs_k, jnp.clip(n_keep - 1, 0, V - 1)[:, None], axis=-1)[:, 0]
     thr_p = jnp.where(top_p < 1.0, thr_pv, NEG_INF)
+    return thr_k, thr_p
+
+
+def filter_mask(z, params: SamplingParams):
+    """Tokens kept by top-k, then top-p, then min-p, on temperature-scaled logits ``z`` [B, V].
+
+    Returns bool [B, V] (see the module docstring for the exact rules). The vocabulary sort runs
+    only when some row has top-k or top-p on (a ``lax.cond`` on the parameter arrays: no
+    recompilation, and greedy / plain-temperature batches skip it)."""
+    z = z.astype(F32)
+    V = z.shape[-1]
+    k = params.top_k.astype(jnp.int32)
+    k_on = (k > 0) & (k < V)
+    top_p = params.top_p.astype(F32)
+    off = jnp.full(z.shape[:1], NEG_INF, F32)
+    thr_k, thr_p = jax.lax.cond(jnp.any(k_on | (top_p < 1.0)),
+                                lambda: _sorted_thresholds(z, k, k_on, top_p), lambda: (off, off))
     # min-p relative to the most likely token
-    zmax = zs[:, :1]
+    zmax = jnp.max(z, axis=-1, keepdims=True)
     keep_m = jnp.exp(z - zmax) >= params.min_p.astype(F32)[:, None]
     return (z >= thr_k[:, None]) & (z >= thr_p[:, None]) & keep_m
 
@@ -197,5 +208,6 @@ def sample(logits, params: SamplingParams, key, step=None, *, banned=None):
     logits, is_greedy, z = _prepare(logits, params, banned)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     keys = row_keys(key, logits.shape[0], step)
-    drawn = jax.vmap(lambda k, zz: jax.random.categorical(k, zz))(keys, z).astype(jnp.int32)
+    draw = lambda: jax.vmap(lambda k, zz: jax.random.categorical(k, zz))(keys, z).astype(jnp.int32)  # noqa: E731
+    drawn = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_ids, draw)  # all-greedy batches draw nothing
     return jnp.where(is_greedy, greedy_ids, drawn)

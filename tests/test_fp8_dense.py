@@ -96,6 +96,36 @@ def test_kernel_route(monkeypatch):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_grouped_wo_a_kernel_route(monkeypatch):
+    """An fp8 ``wo_a`` on the kernel path with few tokens runs ``grouped_qmatmul`` with one row
+    block per output group (codes read in place); it equals the dequantize + einsum route up to
+    one bf16 rounding of differently ordered fp32 sums."""
+    from dsv41_jax.config import preset
+    from dsv41_jax.model import layers
+    from dsv41_jax.model.attention import Attention
+
+    cfg = preset("tiny").text
+    plan = cfg.layers[0]
+    att = Attention(cfg, plan, Numerics("bfloat16", "fast"))
+    att.wo_a.set_fp8()
+    rng = np.random.default_rng(5)
+    O, K = att.wo_a.out_features, att.wo_a.in_features
+    c = rng.integers(0, 256, (O, K), dtype=np.uint8)
+    c[(c & 0x7F) == 0x7F] = 0
+    att.wo_a.weight.set_value(jnp.asarray(c.view(ml_dtypes.float8_e4m3fn)))
+    att.wo_a.scale.set_value(jnp.asarray(rng.integers(118, 126, (O, K // 32), dtype=np.uint8)))
+    o = jnp.asarray(rng.standard_normal((3, 1, cfg.o_groups, K)), jnp.bfloat16)
+    monkeypatch.setenv("DSV41_KERNELS", "xla")
+    want = np.asarray(att._grouped_out(o), np.float32)
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("DSV41_KERNELS", "pallas")
+    got = np.asarray(att._grouped_out(o), np.float32)
+    assert got.shape == want.shape == (3, 1, cfg.o_groups, cfg.o_lora_rank)
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6 * np.abs(want).max())
+    assert np.mean(got == want) > 0.9  # mostly bit-identical: only summation order differs
+
+
 # ------------------------------------------------------------------------------ original checkpoint
 @pytest.fixture(scope="module")
 def pairs():

@@ -90,6 +90,12 @@ CASES = [
     ("bf16", 6, 40, 96, 1, 6, 5, "auto", {}),
     ("bf16", 6, 40, 96, 1, 6, 5, "reduce", {}),
     ("bf16", 3, 48, 128, 64, 3, 2, "auto", {}),
+    # split-K: automatic above (small problems), explicit here, and off
+    ("int8", 6, 40, 256, 1, 7, 5, "auto", {"splitk": 1}),
+    ("int8", 6, 40, 256, 1, 7, 5, "auto", {"splitk": 8}),
+    ("fp8", 1, 72, 256, 1, 3, 3, "reduce", {"splitk": 2}),
+    ("int8", 3, 72, 128, 64, 3, 2, "dot", {"split": True, "splitk": 2}),
+    ("bf16", 6, 40, 96, 1, 6, 5, "auto", {"splitk": 1}),
 ]
 
 
@@ -121,6 +127,20 @@ def test_kernel_interpret_matches_reference(kind, G, O, K, bm, nb, used, mode, t
     ref32 = np.asarray(ref, np.float64)
     ulp = np.exp2(np.floor(np.log2(np.maximum(np.abs(ref32), 1e-30))) - 7)
     assert np.all(np.abs(np.asarray(got16, np.float64) - ref32) <= ulp + 1e-30)
+
+
+def test_auto_splitk_policy():
+    # decode GEMVs get enough programs; K ranges stay whole 32-input scale blocks
+    assert Q.auto_splitk(36 * 6, 5120) == 4      # routed w1/w3, one token: 216 programs
+    assert Q.auto_splitk(36, 5120) == 16         # one-row dense projection [2304, 5120]
+    assert Q.auto_splitk(36 * 408, 5120) == 1    # prefill blocks: plenty of programs already
+    assert Q.auto_splitk(8, 96) == 1             # K = 96 cannot be cut into two 64-input ranges
+    cfg = Q.choose_config(1, 2304, 5120, True, nb=6)
+    assert cfg.splitk == 4 and (5120 // 4) % cfg.bk == 0
+    assert Q.choose_config(1, 2304, 5120, True, nb=6, splitk=1).splitk == 1
+    assert Q.choose_config(16, 72, 64, True, nb=7, group_rows=3).splitk == 1
+    with pytest.raises(ValueError, match="splitk"):
+        Q.choose_config(1, 40, 96, True, splitk=2)
 
 
 def test_kernel_interpret_fp32_compute():

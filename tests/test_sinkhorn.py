@@ -128,9 +128,9 @@ def test_hc_mixes_env_default_and_cpu_fallback(monkeypatch):
     monkeypatch.delenv("DSV41_SINKHORN", raising=False)
     assert sinkhorn_kernel_impl() is None
     want = hc_mixes(*args, **kw)
-    for mode in ("xla", "pallas"):  # "pallas" only takes effect on a GPU backend
+    for mode in ("xla", "pallas", "auto"):  # "pallas" / "auto" only take effect on a GPU backend
         monkeypatch.setenv("DSV41_SINKHORN", mode)
-        if mode == "pallas" and sinkhorn_kernel_impl() is not None:
+        if mode != "xla" and sinkhorn_kernel_impl() is not None:
             continue  # running on a GPU: the kernel path, covered by the interpret test
         assert sinkhorn_kernel_impl() is None
         for g, w in zip(hc_mixes(*args, **kw), want):
@@ -138,3 +138,18 @@ def test_hc_mixes_env_default_and_cpu_fallback(monkeypatch):
     monkeypatch.setenv("DSV41_SINKHORN", "bogus")
     with pytest.raises(ValueError, match="DSV41_SINKHORN"):
         hc_mixes(*args, **kw)
+
+
+def test_auto_follows_the_kernel_switch(monkeypatch):
+    """``DSV41_SINKHORN`` unset = auto: the kernel exactly where ``kernels.use_pallas()`` holds
+    (Hopper-class GPUs; ``DSV41_KERNELS=xla`` turns it off), the jnp code elsewhere."""
+    import dsv41_jax.kernels as K
+
+    monkeypatch.delenv("DSV41_SINKHORN", raising=False)
+    monkeypatch.setattr(K, "use_pallas", lambda: True)
+    assert sinkhorn_kernel_impl() == "triton"
+    monkeypatch.setattr(K, "use_pallas", lambda: False)
+    assert sinkhorn_kernel_impl() is None
+    monkeypatch.setenv("DSV41_SINKHORN", "xla")
+    monkeypatch.setattr(K, "use_pallas", lambda: True)
+    assert sinkhorn_kernel_impl() is None

@@ -137,7 +137,10 @@ class Config:
     the K loop (no cross-lane reduction per step); ``group_rows`` > 0: a 1-D launch order that
     walks ``group_rows`` row blocks x all output tiles at a time (x and weight tiles both reused
     from L2; for many row blocks on one group, e.g. dense prefill), 0: output tiles of one row
-    block run next to each other (the x tile is reused; weights once per row block)."""
+    block run next to each other (the x tile is reused; weights once per row block). ``splitk``
+    > 1: K is cut into that many equal ranges, each run by its own program into an fp32 partial
+    sum ``[splitk, R, O]`` that XLA adds up and rounds once (small problems, e.g. decode GEMVs:
+    enough programs in flight to stream the weights at full bandwidth)."""
     mode: str
     tm: int
     bo: int
@@ -147,6 +150,23 @@ class Config:
     split: bool = False
     acc: bool = False
     group_rows: int = 0
+    splitk: int = 1
+
+
+# split-K target: about this many programs in flight (4 per SM of a 132-SM H200)
+SPLITK_PROGRAMS = 4 * 132
+SPLITK_MAX = 16
+
+
+def auto_splitk(n_programs: int, K: int, quantum: int = QBLOCK, target: int | None = None) -> int:
+    """Smallest power of two s <= SPLITK_MAX with ``n_programs * s >= target`` such that every
+    K range stays a multiple of ``quantum`` and holds at least two quanta."""
+    target = SPLITK_PROGRAMS if target is None else target
+    s = 1
+    while (s < SPLITK_MAX and n_programs * s < target and K % (2 * s * quantum) == 0
+           and K // (2 * s) >= 2 * quantum):
+        s *= 2
+    return s
 
 
 def _pow2_at_least(n: int) -> int:
@@ -174,10 +194,11 @@ TUNING = {
 }
 
 
-def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", **override) -> Config:
+def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb: int = 1, **override) -> Config:
     """Tiles for a problem: ``TUNING`` ("small" for blocks of up to 16 rows, "large" above) for
     ``mode`` "auto" or "dot"; "reduce" takes its own defaults (one-row blocks: the
-    accumulate-then-reduce form); ``override``: any ``Config`` field (tuning sweeps)."""
+    accumulate-then-reduce form); ``override``: any ``Config`` field (tuning sweeps). ``nb``
+    (row blocks) sizes the automatic split-K (``auto_splitk``; ``splitk=1`` turns it off)."""
     if mode in ("auto", "dot"):
         cfg = dict(TUNING["small"] if bm <= 16 else TUNING["large"])
     elif mode == "reduce":
@@ -192,7 +213,13 @@ def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", **o
     if cfg.get("num_warps") is None:
         cfg["num_warps"] = 8 if cfg["tm"] >= 128 else 4
     cfg["bo"] = min(cfg["bo"], _pow2_at_least(O))
-    cfg["bk"] = _largest_pow2_divisor(K, cfg["bk"])
+    if cfg.get("group_rows"):
+        cfg["splitk"] = 1
+    elif cfg.get("splitk") is None:
+        cfg["splitk"] = auto_splitk(-(-O // cfg["bo"]) * nb, K)
+    if K % cfg["splitk"] or (scaled and (K // cfg["splitk"]) % QBLOCK):
+        raise ValueError(f"grouped_qmatmul: splitk={cfg['splitk']} does not cut K={K} into 32-input ranges")
+    cfg["bk"] = _largest_pow2_divisor(K // cfg["splitk"], cfg["bk"])
     if scaled and cfg["bk"] < QBLOCK:
         raise ValueError(f"grouped_qmatmul: K={K} has no power-of-two step >= {QBLOCK}")
     if cfg["tm"] < bm or cfg["tm"] & (cfg["tm"] - 1):
@@ -230,6 +257,17 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
         oi, j = local // size, first + local % size
     else:
         oi, j = pl.program_id(0), pl.program_id(1)
+    kr = K // cfg.splitk                                               # inputs of this program
+    ks = pl.program_id(2) if cfg.splitk > 1 else 0                     # K range of this program
+    kbase = ks * kr
+
+    def put(val):  # this program's output tile (an fp32 partial-sum slice under split-K)
+        if cfg.splitk > 1:
+            _store(o_ref.at[pl.ds(ks, 1), pl.ds(r0, tm), pl.ds(o0, bo)],
+                   val.astype(F32)[None], smask[None])
+        else:
+            _store(o_ref.at[pl.ds(r0, tm), pl.ds(o0, bo)], val.astype(out_dtype), smask)
+
     o0 = pl.multiple_of(oi * bo, bo)
     r0 = j * bm
     rmask = lax.broadcasted_iota(jnp.int32, (tm, 1), 0) < bm          # rows of this block
@@ -248,7 +286,7 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
         g = bg_ref[j]
 
         def step(kk, acc):
-            k0 = pl.multiple_of(kk * bk, bk)
+            k0 = pl.multiple_of(kbase + kk * bk, bk)
             if not scaled:
                 w = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(k0, bk)], omask)             # [bo, bk]
                 xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask)              # [tm, bk]
@@ -258,7 +296,7 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
                 if cfg.acc:
                     return acc + xt.astype(F32)[:, None, :] * wf[None, :, :]                # [tm, bo, bk]
                 return acc + jnp.sum(xt.astype(F32)[:, None, :] * wf[None, :, :], axis=-1)
-            b0 = pl.multiple_of(kk * nkb, nkb)
+            b0 = pl.multiple_of(k0 // QBLOCK, nkb)
             if cfg.mode == "reduce" and cfg.acc:
                 c = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb), :], omask[:, :, None])  # [bo, nkb, 32]
                 s = _load(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb)], omask)               # [bo, nkb]
@@ -286,16 +324,16 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
 
         if cfg.mode == "reduce" and cfg.acc:
             shape = (tm, bo, nkb, QBLOCK) if scaled else (tm, bo, bk)
-            acc = lax.fori_loop(0, K // bk, step, jnp.zeros(shape, F32))
+            acc = lax.fori_loop(0, kr // bk, step, jnp.zeros(shape, F32))
             while acc.ndim > 2:
                 acc = jnp.sum(acc, axis=-1)
         else:
-            acc = lax.fori_loop(0, K // bk, step, jnp.zeros((tm, bo), F32))
-        _store(o_ref.at[pl.ds(r0, tm), pl.ds(o0, bo)], acc.astype(out_dtype), smask)
+            acc = lax.fori_loop(0, kr // bk, step, jnp.zeros((tm, bo), F32))
+        put(acc)
 
     @pl.when(jnp.logical_not(live))
     def _skip():
-        _store(o_ref.at[pl.ds(r0, tm), pl.ds(o0, bo)], jnp.zeros((tm, bo), out_dtype), smask)
+        put(jnp.zeros((tm, bo), F32))
 
 
 def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg: Config, interpret: bool):
@@ -317,14 +355,19 @@ def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg:
     args += [x_v, codes_v] + ([scale] if scaled else [])
     kernel = functools.partial(_kernel, cfg=cfg, bm=bm, nb=nb, O=O, K=K, scaled=scaled, mult=mult, cd=cd,
                                out_dtype=out_dtype)
-    grid = (pl.cdiv(O, cfg.bo) * nb,) if cfg.group_rows else (pl.cdiv(O, cfg.bo), nb)
+    grid = (pl.cdiv(O, cfg.bo) * nb,) if cfg.group_rows else (pl.cdiv(O, cfg.bo), nb, cfg.splitk)
+    out_shape = (jax.ShapeDtypeStruct((cfg.splitk, R, O), F32) if cfg.splitk > 1
+                 else jax.ShapeDtypeStruct((R, O), out_dtype))
     wbytes = jnp.dtype(codes.dtype).itemsize * O * K + (O * K // QBLOCK if scaled else 0)
     cost = pl.CostEstimate(flops=2 * R * O * K, transcendentals=0,
                            bytes_accessed=nb * wbytes + x.nbytes + R * O * jnp.dtype(out_dtype).itemsize)
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                                                        num_stages=cfg.num_stages))
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((R, O), out_dtype), grid=grid,
-                          interpret=interpret, cost_estimate=cost, name="grouped_qmatmul", **kw)(*args)
+    y = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret, cost_estimate=cost,
+                       name="grouped_qmatmul", **kw)(*args)
+    if cfg.splitk > 1:  # fp32 partials of the K ranges: one fp32 sum, one rounding
+        y = jnp.sum(y, axis=0).astype(out_dtype)
+    return y
 
 
 def kernel_impl(impl: str = "auto") -> str:
@@ -355,6 +398,6 @@ def grouped_qmatmul(x, block_group, n_blocks, codes, scale=None, *, bm: int, out
     if impl == "xla":
         return grouped_qmatmul_reference(x, block_group, n_blocks, codes, scale, bm=bm,
                                          out_dtype=out_dtype, mult=mult)
-    cfg = choose_config(bm, O, K, scale is not None, mode, **tiles)
+    cfg = choose_config(bm, O, K, scale is not None, mode, nb=R // bm, **tiles)
     return _pallas(x, block_group, n_blocks, codes, scale, bm=bm, out_dtype=out_dtype, mult=mult, cfg=cfg,
                    interpret=impl == "interpret")

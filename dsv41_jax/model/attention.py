@@ -239,30 +239,32 @@ class Attention(nnx.Module):
         return ctx
 
     def _sparse_attn(self, q, kw, kw_ok, kc, kc_ok):
-        """Softmax over window keys + selected compressed entries (K = V), sink in the denominator."""
+        """Softmax over window keys + selected compressed entries (K = V), sink in the denominator.
+
+        Both products take their operands in the compute dtype with fp32 accumulation: q, the keys
+        and the probabilities (rounded to the compute dtype, as the reference does before its
+        value product) are values of that dtype, so bf16 operands give the fp32 products of the
+        reference on the tensor cores; the fp32 parity path stays fp32 (``einsum``: HIGHEST)."""
         dt = self.numerics.dtype
         scale = self.head_dim ** -0.5
-        qf = q.astype(F32)
-        lw = einsum("bshd,bjd->bshj", qf, kw.astype(F32))
+        qd, kwd = q.astype(dt), kw.astype(dt)
+        lw = einsum("bshd,bjd->bshj", qd, kwd, preferred_element_type=F32)
         lw = jnp.where(kw_ok[:, :, None, :], lw * scale, NEG_INF)
         parts = [lw]
         if kc is not None:
-            lc = einsum("bshd,bskd->bshk", qf, kc.astype(F32))
+            kcd = kc.astype(dt)
+            lc = einsum("bshd,bskd->bshk", qd, kcd, preferred_element_type=F32)
             lc = jnp.where(kc_ok[:, :, None, :], lc * scale, NEG_INF)
             parts.append(lc)
         mx = jnp.maximum(jnp.max(jnp.concatenate(parts, -1), axis=-1), -1e30)
         sink = self.attn_sink[...].astype(F32)
         pw = jnp.exp(lw - mx[..., None])
         den = jnp.sum(pw, -1)
-        if dt != F32:
-            pw = pw.astype(dt).astype(F32)
-        o = einsum("bshj,bjd->bshd", pw, kw.astype(F32))
+        o = einsum("bshj,bjd->bshd", pw.astype(dt), kwd, preferred_element_type=F32)
         if kc is not None:
             pc = jnp.exp(lc - mx[..., None])
             den = den + jnp.sum(pc, -1)
-            if dt != F32:
-                pc = pc.astype(dt).astype(F32)
-            o = o + einsum("bshk,bskd->bshd", pc, kc.astype(F32))
+            o = o + einsum("bshk,bskd->bshd", pc.astype(dt), kcd, preferred_element_type=F32)
         den = den + jnp.exp(sink - mx)
         return (o / den[..., None]).astype(dt)
 
@@ -296,6 +298,27 @@ class Attention(nnx.Module):
         o = jax.lax.map(body, jnp.arange(nb))  # [nb, B, bq, H, d]
         return jnp.moveaxis(o, 0, 1).reshape(B, S, *o.shape[3:])
 
+    def _grouped_out(self, o):
+        """Grouped low-rank output projection: o [B, S, G, H*d/G] -> [B, S, G, o_rank] (fp32
+        accumulation, one rounding). An fp8-stored ``wo_a`` on the kernel path with few tokens
+        (decode) goes through ``grouped_qmatmul`` with one row block per group (the codes are read
+        in place); otherwise the weight is dequantized exactly and one einsum runs."""
+        from dsv41_jax.model.layers import _use_kernel
+
+        dt = self.numerics.dtype
+        B, S, G, K = o.shape
+        T = B * S
+        if self.wo_a.fp8 and T <= 64 and _use_kernel():
+            from dsv41_jax.kernels import grouped_qmatmul
+
+            xg = jnp.swapaxes(o.reshape(T, G, K), 0, 1).reshape(G * T, K)  # block g = group g's rows
+            y = grouped_qmatmul(xg, jnp.arange(G, dtype=jnp.int32), G,
+                                self.wo_a.weight[...].reshape(G, self.o_rank, K),
+                                self.wo_a.scale[...].reshape(G, self.o_rank, K // 32), bm=T, out_dtype=dt)
+            return jnp.swapaxes(y.reshape(G, T, self.o_rank), 0, 1).reshape(B, S, G, self.o_rank)
+        wo_a = self.wo_a.values().reshape(G, self.o_rank, -1)  # fp8 storage: dequantized exactly
+        return einsum("bsgd,grd->bsgr", o, wo_a.astype(dt), preferred_element_type=F32).astype(dt)
+
     # ------------------------------------------------------------------ forward
     def __call__(self, x, pos, valid, cache, ctx, capture=None):
         """x [B,S,D] (normed), pos [B,S] int32 absolute positions, valid [B,S] bool.
@@ -328,11 +351,8 @@ class Attention(nnx.Module):
             kc, kc_ok = ctx["cmp_kv"], ctx["topk"]
         o = self._attend(q, pos, kw, kpos, kc, kc_ok)
         o = rope_tail(o, pos[..., None], freqs, inverse=True)
-        G = self.n_groups
-        wo_a = self.wo_a.values().reshape(G, self.o_rank, -1)  # fp8 storage: dequantized exactly
-        o = einsum("bsgd,grd->bsgr", o.reshape(B, S, G, -1).astype(dt), wo_a.astype(dt),
-                       preferred_element_type=F32).astype(dt)
-        out = self.wo_b(o.reshape(B, S, G * self.o_rank))
+        o = self._grouped_out(o.reshape(B, S, self.n_groups, -1).astype(dt))
+        out = self.wo_b(o.reshape(B, S, self.n_groups * self.o_rank))
 
         # ring update: the last W valid tokens of the chunk, slot = pos mod W
         last = jnp.max(cpos, axis=1)

@@ -12,15 +12,21 @@ F32 = jnp.float32
 
 
 def sinkhorn_kernel_impl():
-    """``DSV41_SINKHORN`` (read at trace time): unset / ``xla`` (default): the jnp Sinkhorn below;
-    ``pallas``: the Pallas kernel (``dsv41_jax.kernels.sinkhorn``) on a GPU backend, the jnp
-    code elsewhere; ``interpret``: the kernel in the Pallas interpreter on any backend (tests).
-    Returns the kernel ``impl`` to use, or None for the jnp code. Opt-in: not measured on GPU yet."""
-    mode = os.environ.get("DSV41_SINKHORN", "xla") or "xla"
-    if mode not in ("xla", "pallas", "interpret"):
-        raise ValueError(f"DSV41_SINKHORN={mode!r}: use xla, pallas or interpret")
+    """``DSV41_SINKHORN`` (read at trace time): ``auto`` (default): the Pallas kernel
+    (``dsv41_jax.kernels.sinkhorn``) where ``kernels.use_pallas()`` holds (GPUs of compute
+    capability >= 9, as the other kernels; ``DSV41_KERNELS=xla`` turns it off), else the jnp
+    code; ``xla``: always the jnp code; ``pallas``: the kernel on any GPU backend, the jnp code
+    elsewhere; ``interpret``: the kernel in the Pallas interpreter on any backend (tests).
+    Returns the kernel ``impl`` to use, or None for the jnp code."""
+    mode = os.environ.get("DSV41_SINKHORN", "auto") or "auto"
+    if mode not in ("auto", "xla", "pallas", "interpret"):
+        raise ValueError(f"DSV41_SINKHORN={mode!r}: use auto, xla, pallas or interpret")
     if mode == "interpret":
         return "interpret"
+    if mode == "auto":
+        from dsv41_jax.kernels import use_pallas
+
+        return "triton" if use_pallas() else None
     if mode == "pallas" and jax.default_backend() == "gpu":
         return "triton"
     return None
@@ -30,8 +36,8 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
     """h: [..., n, D] stream -> (pre [..., n], post [..., n], comb [..., n, n]), all fp32.
 
     One RMS statistic per token over the flattened n*D stream; Sinkhorn = row softmax (+eps),
-    one column normalisation, then iters-1 (row, column) pairs. ``DSV41_SINKHORN=pallas`` runs
-    the Sinkhorn as one Pallas kernel on GPU (opt-in, see :func:`sinkhorn_kernel_impl`).
+    one column normalisation, then iters-1 (row, column) pairs. On Hopper-class GPUs the Sinkhorn
+    runs as one Pallas kernel (``DSV41_SINKHORN``, see :func:`sinkhorn_kernel_impl`).
     """
     n = hc_mult
     x = h.reshape(*h.shape[:-2], -1).astype(F32)
@@ -44,9 +50,9 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
 
     logits = m[..., 2 * n:] * scale[2] + base[2 * n:]
     impl = sinkhorn_kernel_impl()
-    if impl is None:  # default: the jnp formulation (unrolled pairs)
+    if impl is None:  # the jnp formulation (unrolled pairs): CPU, older GPUs, DSV41_SINKHORN=xla
         c = sinkhorn_reference(logits, iters, hc_eps)
-    else:  # opt-in Pallas kernel (DSV41_SINKHORN), same math
+    else:  # the Pallas kernel, same math
         c = sinkhorn(logits, iters, hc_eps, impl)
     return pre, post, c
 

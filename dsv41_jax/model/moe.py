@@ -36,6 +36,11 @@ def pallas_chunk(n_pairs: int, n_experts: int) -> int:
     return c
 
 
+def combine_pairs(y, row_of_pair, T: int, k: int):
+    """Sum each token's k expert outputs (rows ``row_of_pair`` of ``y``) in fp32, slot order: [T, D]."""
+    return jnp.sum(jnp.take(y, row_of_pair, axis=0).reshape(T, k, -1).astype(F32), axis=1)
+
+
 class Gate(nnx.Module):
     def __init__(self, cfg: TextConfig, numerics: Numerics, vision: bool):
         E, D = cfg.n_routed_experts, cfg.hidden_size
@@ -216,6 +221,21 @@ class MoE(nnx.Module):
         chunk_expert = jnp.minimum(jnp.searchsorted(cend, jnp.arange(NC), side="right"), E - 1).astype(jnp.int32)
         return order, pidx, NC, chunk_expert, cend[-1]
 
+    def _dispatch(self, xa, w, ids, chunk: int, cd):
+        """Gather the (token, slot) pairs into ``_blocks``' expert-sorted row layout.
+
+        Returns (xs [NC*chunk, D] rows in ``cd``, ws [NC*chunk] fp32 route weights, row_of_pair
+        [T*k] (the row pair ``t*k+s`` landed in), NC, block_expert, n_used). Rows are gathered and
+        only int32 indices are scattered (empty rows: zeros)."""
+        T, k = ids.shape
+        N = T * k
+        order, pidx, NC, block_expert, n_used = self._blocks(ids, chunk)
+        rowsrc = jnp.full((NC * chunk,), N, jnp.int32).at[pidx].set(order.astype(jnp.int32))
+        xs = jnp.take(xa.astype(cd), rowsrc // k, axis=0, mode="fill", fill_value=0)
+        ws = jnp.take(w.reshape(-1).astype(F32), rowsrc, axis=0, mode="fill", fill_value=0)
+        row_of_pair = jnp.zeros((N,), jnp.int32).at[order].set(pidx.astype(jnp.int32))
+        return xs, ws, row_of_pair, NC, block_expert, n_used
+
     def routed_grouped(self, x, w, ids, chunk: int = 128):
         """Grouped matmul without a dense emulation: (token, slot) pairs are sorted by expert and
         laid out in ``chunk``-row blocks that each belong to one expert; a loop over the USED
@@ -225,11 +245,9 @@ class MoE(nnx.Module):
         ex = self.experts
         T, k = ids.shape
         c = chunk
-        order, pidx, NC, chunk_expert, n_used = self._blocks(ids, c)
         xa, cd = self._aq(x)
         D = x.shape[-1]
-        xs = jnp.zeros((NC * c, D), cd).at[pidx].set(xa[order // k].astype(cd))
-        ws = jnp.zeros((NC * c,), F32).at[pidx].set(w.reshape(-1)[order])
+        xs, ws, row_of_pair, NC, chunk_expert, n_used = self._dispatch(xa, w, ids, c, cd)
 
         def body(j, out):
             e = chunk_expert[j]
@@ -243,7 +261,7 @@ class MoE(nnx.Module):
             return jax.lax.dynamic_update_slice_in_dim(out, y, j * c, 0)
 
         out = jax.lax.fori_loop(0, n_used, body, jnp.zeros((NC * c, D), dt))
-        return jnp.zeros((T, D), F32).at[order // k].add(out[pidx].astype(F32))
+        return combine_pairs(out, row_of_pair, T, k)
 
     def routed_pallas(self, x, w, ids):
         """Routed experts through ``dsv41_jax.kernels.grouped_qmatmul``: the expert weights are read
@@ -275,16 +293,13 @@ class MoE(nnx.Module):
             y = qmm(ha.astype(cd2), blocks, N, ex.w2, 1)
             return jnp.sum(y.reshape(T, k, -1).astype(F32), axis=1)
         c = pallas_chunk(N, self.n_experts)
-        order, pidx, NC, blocks, n_used = self._blocks(ids, c)
-        D = x.shape[-1]
-        xs = jnp.zeros((NC * c, D), cd).at[pidx].set(xa[order // k].astype(cd))
-        ws = jnp.zeros((NC * c,), F32).at[pidx].set(w.reshape(-1)[order])
+        xs, ws, row_of_pair, NC, blocks, n_used = self._dispatch(xa, w, ids, c, cd)
         g = qmm(xs, blocks, n_used, ex.w1, c)
         u = qmm(xs, blocks, n_used, ex.w3, c)
         h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
         ha, cd2 = self._aq(h)
         y = qmm(ha.astype(cd2), blocks, n_used, ex.w2, c)
-        return jnp.zeros((T, D), F32).at[order // k].add(y[pidx].astype(F32))
+        return combine_pairs(y, row_of_pair, T, k)
 
     def _path(self, T: int, k: int) -> str:
         """Routed-expert implementation for T tokens: ``DSV41_MOE_PATH`` (gather, dense, grouped,

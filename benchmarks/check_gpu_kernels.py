@@ -1,0 +1,67 @@
+"""GPU-side agreement of the Pallas kernels with their XLA references at V4.1 sizes (one JSON
+line per case): the mHC Sinkhorn (relative and per-entry error) and the grouped qmatmul in its
+split-K decode configurations (int8 experts, dense fp8).
+
+    python3 benchmarks/check_gpu_kernels.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dsv41_jax.kernels import qmatmul as Q  # noqa: E402
+from dsv41_jax.kernels.sinkhorn import sinkhorn, sinkhorn_reference  # noqa: E402
+
+
+def emit(**row):
+    print(json.dumps(row), flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "check_gpu_kernels.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def main():
+    key = jax.random.key(0)
+    for T in (1, 64, 8192):
+        x = 3.0 * jax.random.normal(jax.random.fold_in(key, T), (T, 16), jnp.float32)
+        got = jax.jit(lambda v: sinkhorn(v, 20, 1e-6, "triton"))(x)
+        want = jax.jit(lambda v: sinkhorn_reference(v, 20, 1e-6))(x)
+        g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        emit(check="sinkhorn", tokens=T, rel_err=rel(got, want),
+             max_elem_rel=float(np.max(np.abs(g - w) / np.maximum(np.abs(w), 1e-30))))
+    E, D, I = 384, 5120, 2304
+    for name, G, O, K, R, kind in (("routed_w1", E, I, D, 6, "int8"), ("routed_w2", E, D, I, 6, "int8"),
+                                   ("routed_w1_b8", E, I, D, 48, "int8"), ("dense_fp8_b1", 1, 2304, D, 1, "fp8"),
+                                   ("dense_fp8_b16", 1, 512, D, 16, "fp8")):
+        k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, R * 7 + O), 4)
+        if kind == "int8":
+            codes = jax.random.randint(k1, (G, O, K), -12, 13).astype(jnp.int8)
+        else:
+            codes = jax.random.normal(k1, (G, O, K), jnp.float32).astype(jnp.float8_e4m3fn)
+        scale = jax.random.randint(k2, (G, O, K // 32), 118, 126).astype(jnp.uint8)
+        bm = 1 if G > 1 else R
+        x = jax.random.normal(k3, (R, K), jnp.float32).astype(jnp.bfloat16)
+        bg = jax.random.randint(k4, (R // bm,), 0, G).astype(jnp.int32)
+        cfg = Q.choose_config(bm, O, K, True, nb=R // bm)
+        got = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=jnp.float32, impl="triton"))(
+            x, bg, R // bm, codes, scale)
+        want = jax.jit(lambda *a: Q.grouped_qmatmul_reference(*a, bm=bm, out_dtype=jnp.float32))(
+            x, bg, R // bm, codes, scale)
+        emit(check="qmatmul", case=name, splitk=cfg.splitk, bk=cfg.bk, rel_err=rel(got, want))
+
+
+if __name__ == "__main__":
+    main()

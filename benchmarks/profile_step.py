@@ -1,0 +1,248 @@
+"""Kernel-level profile of the slice's decode step / prefill (where the time of a step goes).
+
+Builds the same V4.1-width slice as ``bench_slice.py`` (random weights on the device), compiles
+the decode step at each batch (and/or a prefill), runs a few steps under ``jax.profiler.trace``
+and attributes every GPU kernel to the Python source line its HLO instruction came from (the
+``metadata`` of the optimized HLO). Prints, per target: kernels per step, summed kernel time per
+step, wall time per step, and the top source lines / kernels by time. Raw files (xplane.pb,
+optimized HLO) go to $OUT so the analysis can be redone off the device::
+
+    python3 benchmarks/profile_step.py --targets decode:1,decode:64,prefill:8192 --experts int8 --dense fp8
+    python3 benchmarks/profile_step.py --analyze DIR        # re-summarize saved files
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import bench_slice as bs  # noqa: E402
+
+SAVE_RAW = False  # --save-raw: copy xplane.pb + optimized HLO of each target to $OUT
+_META = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}")
+_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+def _tables(hlo_text: str) -> dict:
+    """stack_frame_id -> "file.py:line function" from the module's FileNames / FunctionNames /
+    FileLocations / StackFrames tables (newer XLA prints metadata with stack_frame_id only)."""
+    sec, tabs = None, {"FileNames": {}, "FunctionNames": {}, "FileLocations": {}, "StackFrames": {}}
+    for line in hlo_text.splitlines():
+        w = line.strip()
+        if w in tabs:
+            sec = w
+            continue
+        if sec is None:
+            continue
+        m = re.match(r"^(\d+) (.*)$", w)
+        if not m:
+            if w.startswith(("HloModule", "ENTRY", "%")) or not w:
+                sec = None if w.startswith(("HloModule", "ENTRY", "%")) else sec
+            continue
+        tabs[sec][int(m.group(1))] = m.group(2)
+    out = {}
+    for fid, body in tabs["StackFrames"].items():
+        loc = dict(_FIELD.findall(body.strip("{}")))
+        fl = dict(_FIELD.findall(tabs["FileLocations"].get(int(loc.get("file_location_id", 0)), "").strip("{}")))
+        fname = tabs["FileNames"].get(int(fl.get("file_name_id", 0)), "?").strip('"')
+        func = tabs["FunctionNames"].get(int(fl.get("function_name_id", 0)), "?").strip('"')
+        out[fid] = f"{os.path.basename(fname)}:{fl.get('line', '?')} {func}"
+    return out
+
+
+def hlo_sources(hlo_text: str) -> dict:
+    """Instruction name -> "file.py:line function op" from an optimized HLO module's metadata."""
+    frames = _tables(hlo_text)
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _META.match(line)
+        if not m:
+            continue
+        f = {k: v.strip('"') for k, v in _FIELD.findall(m.group(2))}
+        op = f.get("op_name", "").split("/")[-1]
+        if "source_file" in f:
+            src = os.path.basename(f["source_file"]) + ":" + f.get("source_line", "?")
+        else:
+            src = frames.get(int(f.get("stack_frame_id", "0").rstrip(",")), "?")
+        out[m.group(1)] = f"{src} [{op}]"
+    return out
+
+
+def kernel_events(xplane_path: str):
+    """(name, hlo_op, start_ns, duration_ns) of every kernel on the first GPU's stream lines."""
+    from jax.profiler import ProfileData
+
+    pd = ProfileData.from_file(xplane_path)
+    evs, lines = [], {}
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:GPU:0"):
+            continue
+        for line in plane.lines:
+            n = 0
+            for e in line.events:
+                n += 1
+                if not line.name.startswith("Stream"):
+                    continue
+                stats = dict(e.stats)
+                evs.append((e.name, str(stats.get("hlo_op", "")), float(e.start_ns), float(e.duration_ns)))
+            lines[line.name] = n
+    return evs, lines
+
+
+def summarize(xplane_path: str, hlo_text: str, steps: int, wall_s: float, top: int = 40) -> dict:
+    src = hlo_sources(hlo_text) if hlo_text else {}
+    evs, lines = kernel_events(xplane_path)
+    by_src, by_kernel = collections.Counter(), collections.Counter()
+    n_src, n_kernel = collections.Counter(), collections.Counter()
+    def source(name, op):
+        if op and not op.startswith("command_buffer"):
+            return src.get(op, op)
+        # inside a command buffer: the kernel is named after its fusion ("loop_add_fusion_3" is
+        # HLO "loop_add_fusion.3"); library kernels (cuBLAS) keep their own names
+        base, _, num = name.rpartition("_")
+        for cand in (name, f"{base}.{num}" if num.isdigit() else name):
+            if cand in src:
+                return src[cand]
+        return name[:60]
+
+    for name, op, _, dur in evs:
+        key = source(name, op)
+        by_src[key] += dur
+        n_src[key] += 1
+        by_kernel[name[:80]] += dur
+        n_kernel[name[:80]] += 1
+    total = sum(d for *_, d in evs)
+    span = (max(s + d for _, _, s, d in evs) - min(s for _, _, s, _ in evs)) if evs else 0.0
+    return dict(
+        steps=steps, kernels_per_step=len(evs) / steps, kernel_us_per_step=total / steps / 1e3,
+        span_us_per_step=span / steps / 1e3, wall_us_per_step=wall_s / steps * 1e6, lines=lines,
+        top_sources=[(k, round(v / steps / 1e3, 2), n_src[k] // steps) for k, v in by_src.most_common(top)],
+        top_kernels=[(k, round(v / steps / 1e3, 2), n_kernel[k] // steps) for k, v in by_kernel.most_common(top)])
+
+
+def profile(fn, args, steps: int, name: str, out_dir: str | None, hlo_text: str, donate_cache: bool):
+    import jax
+
+    res = None
+    for _ in range(3):
+        res = fn(*args)
+        if donate_cache:
+            args = (*args[:1], res[1], *args[2:])
+    jax.block_until_ready(res)
+    tmp = tempfile.mkdtemp()
+    t0 = time.perf_counter()
+    with jax.profiler.trace(tmp):
+        for _ in range(steps):
+            res = fn(*args)
+            if donate_cache:
+                args = (*args[:1], res[1], *args[2:])
+        jax.block_until_ready(res)
+    wall = time.perf_counter() - t0
+    pb = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0]
+    summ = summarize(pb, hlo_text, steps, wall)
+    if out_dir and SAVE_RAW:
+        shutil.copy(pb, os.path.join(out_dir, f"{name}.xplane.pb"))
+        with gzip.open(os.path.join(out_dir, f"{name}.hlo.txt.gz"), "wt") as f:
+            f.write(hlo_text)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return summ, args
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--targets", default="decode:1", help="decode:BATCH / prefill:TOKENS, comma separated")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--engram-rows", type=int, default=80_000_000)
+    ap.add_argument("--experts", default="int8", choices=["bf16", "int8"])
+    ap.add_argument("--dense", default="fp8", choices=["bf16", "fp8"])
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--save-raw", action="store_true", help="also write the xplane.pb and HLO files to $OUT")
+    ap.add_argument("--analyze", default="", help="re-summarize NAME.xplane.pb + NAME.hlo.txt.gz files in DIR")
+    a = ap.parse_args()
+    if a.analyze:
+        for pb in sorted(glob.glob(os.path.join(a.analyze, "*.xplane.pb"))):
+            name = os.path.basename(pb)[: -len(".xplane.pb")]
+            hp = os.path.join(a.analyze, name + ".hlo.txt.gz")
+            hlo = gzip.open(hp, "rt").read() if os.path.exists(hp) else ""
+            steps = 1 if name.startswith("prefill") else a.steps
+            print(json.dumps(dict(name=name, **summarize(pb, hlo, steps, 0.0)), indent=1))
+        return
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from dsv41_jax.generate import _forward, _split
+    from dsv41_jax.numerics import Numerics
+
+    bs.TAG = a.tag
+    global SAVE_RAW
+    SAVE_RAW = a.save_raw
+    jax.config.update("jax_default_matmul_precision", "default")
+    out_dir = os.environ.get("OUT")
+    numerics = Numerics("bfloat16", "reference")
+    cfg = bs.slice_config(a.layers, a.small, a.engram_rows)
+    kw = dict(experts_int8=a.experts == "int8")
+    if a.dense == "fp8":
+        from dsv41_jax.model.lm import DeepseekV41
+        from dsv41_jax.weights import release_fp8_linears
+
+        kw["dense_fp8"] = release_fp8_linears(nnx.eval_shape(lambda: DeepseekV41(cfg, numerics, engram_quantized=True)))
+    model = bs.random_model(cfg, numerics, **kw)
+    bs.mark_release_quantized(model)
+    graphdef, state = _split(model)
+    env = {k: v for k, v in os.environ.items() if k.startswith(("DSV41_", "XLA_FLAGS"))}
+    for target in a.targets.split(","):
+        kind, n = target.split(":")
+        n = int(n)
+        fn = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,))
+        if kind == "decode":
+            cache = model.init_cache(n, a.ctx + 64)
+            cache = dict(cache, length=jnp.full((n,), a.ctx, jnp.int32))
+            ids = jax.random.randint(jax.random.key(11 + n), (n, 1), 0, cfg.text.vocab_size).astype(jnp.int32)
+            args = (state, cache, ids, jnp.ones((n, 1), bool), None, None, None)
+            steps = a.steps
+        else:
+            cache = model.init_cache(1, n)
+            ids = jax.random.randint(jax.random.key(1), (1, n), 0, cfg.text.vocab_size).astype(jnp.int32)
+            args = (state, cache, ids, jnp.ones((1, n), bool), None, None, None, jnp.full((1,), n - 1, jnp.int32))
+            steps = 1
+        t0 = time.perf_counter()
+        lowered = fn.lower(*args)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        hlo = compiled.as_text() or ""
+        name = f"{kind}{n}" + (f"_{a.tag}" if a.tag else "")
+        try:
+            if kind == "decode":
+                summ, _ = profile(compiled, args, steps, name, out_dir, hlo, donate_cache=True)
+            else:  # a fresh cache per prefill run (the donated one is consumed)
+                def run(*xs):
+                    return compiled(xs[0], model.init_cache(1, n), *xs[2:])
+                summ, _ = profile(run, args, steps, name, out_dir, hlo, donate_cache=False)
+            bs.emit(what="profile", target=target, env=env, lower_s=t1 - t0, compile_s=t2 - t1, **summ)
+        except Exception as e:
+            bs.emit(what="profile", target=target, env=env, lower_s=t1 - t0, compile_s=t2 - t1,
+                    error=f"{type(e).__name__}: {str(e)[:400]}")
+        del compiled, lowered, args
+    bs._write_out()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Tile sweep of the decode GEMVs of ``grouped_qmatmul`` (batch-1 decode shapes of V4.1-Flash):
+split-K x output tile first, then K step / pipeline stages / warps around the best. One JSON
+line per config (also appended to $OUT/sweep_gemv.jsonl); the last line per case is the best.
+
+    python3 benchmarks/sweep_gemv.py [--cases routed_w1,routed_w2,dense_2304x5120,dense_5120x8192]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import bench_qmatmul as bq  # noqa: E402
+from dsv41_jax.kernels import qmatmul as Q  # noqa: E402
+
+IMPL = "triton"
+CASES = {  # name: (groups, O, K, pairs (rows; one row block each when groups > 1), codes dtype)
+    "routed_w1": (384, 2304, 5120, 6, "int8"),
+    "routed_w2": (384, 5120, 2304, 6, "int8"),
+    "dense_2304x5120": (1, 2304, 5120, 1, "fp8"),
+    "dense_5120x8192": (1, 5120, 8192, 1, "fp8"),
+}
+
+
+def emit(**row):
+    print(json.dumps(row), flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "sweep_gemv.jsonl"), "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def run_case(name, key):
+    G, O, K, R, kind = CASES[name]
+    k1, k2, k3 = jax.random.split(key, 3)
+    if kind == "int8":
+        codes, scale = bq.make_int8(k1, G, O, K)
+    else:
+        codes = jax.random.normal(k1, (G, O, K), jnp.float32).astype(jnp.float8_e4m3fn)
+        scale = jax.random.randint(k2, (G, O, K // 32), 118, 126).astype(jnp.uint8)
+    x = jax.random.normal(k3, (R, K), jnp.float32).astype(jnp.bfloat16)
+    ids0 = jnp.asarray(np.random.default_rng(0).integers(0, G, R), jnp.int32)
+    nbytes = R * (O * K + O * K // 32) + R * K * 2
+    results = []
+
+    def one(cfg):
+        def fn(i, s, x, codes, scale):
+            ids = (ids0 + i * 37) % G
+            return Q.grouped_qmatmul(x + s.astype(jnp.bfloat16), ids, R, codes, scale, bm=1, out_dtype=jnp.bfloat16,
+                                     impl=IMPL, **cfg)
+        try:
+            t, c = bq.timeit(fn, x, codes, scale, reps=50)
+            row = dict(case=name, cfg=cfg, us=round(t * 1e6, 2), TBps=round(nbytes / t / 1e12, 3), compile_s=round(c, 1))
+            results.append((t, cfg))
+        except Exception as e:  # noqa: BLE001
+            row = dict(case=name, cfg=cfg, error=f"{type(e).__name__}: {str(e)[:200]}")
+        emit(**row)
+
+    one({})  # the defaults (auto split-K)
+    for s in (1, 2, 4, 8, 16):
+        for bo in (32, 64, 128):
+            if K % (s * 32) == 0:
+                one(dict(splitk=s, bo=bo))
+    best = min(results)[1]
+    for extra in (dict(bk=64), dict(bk=256), dict(num_stages=4), dict(num_stages=2), dict(num_warps=2),
+                  dict(num_warps=8), dict(split=True)):
+        one({**best, **extra})
+    t, cfg = min(results)
+    emit(case=name, best=cfg, us=round(t * 1e6, 2), TBps=round(nbytes / t / 1e12, 3))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes in the Pallas interpreter (CPU check)")
+    a = ap.parse_args()
+    if a.smoke:
+        global IMPL
+        IMPL = "interpret"
+        CASES.update({"routed_w1": (8, 64, 256, 2, "int8"), "dense_2304x5120": (1, 64, 256, 1, "fp8")})
+        a.cases = "routed_w1,dense_2304x5120"
+    for i, name in enumerate(a.cases.split(",")):
+        run_case(name, jax.random.key(i))
+
+
+if __name__ == "__main__":
+    main()
