@@ -409,7 +409,7 @@ def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=No
                 row.update(distinct_experts=dist, bytes=nb["total"], roofline_s=nb["total"] / (copy_tb_s * 1e12),
                            roofline_frac=nb["total"] / (copy_tb_s * 1e12) / per)
             emit(**row)
-            del compiled
+            compiled = None  # free the executable before the next batch
         except Exception as e:  # report and continue
             emit(what="decode_loop", batch=B, error=f"{type(e).__name__}: {str(e)[:300]}")
 

@@ -240,7 +240,7 @@ def main():
         except Exception as e:
             bs.emit(what="profile", target=target, env=env, lower_s=t1 - t0, compile_s=t2 - t1,
                     error=f"{type(e).__name__}: {str(e)[:400]}")
-        del compiled, lowered, args
+        compiled = lowered = args = None  # free before the next target
     bs._write_out()
 
 
