@@ -999,12 +999,14 @@ def bench_prefill(peer, cfg, lengths, impl, dev, iters=3):
 
 def compare(path):
     """One ``ratio`` line per measurement present in both runs: torch seconds / JAX seconds
-    (JAX: decode with the default MoE path and the Engram table on the device)."""
-    with open(path) as f:
-        jx = json.load(f)
+    (JAX: decode with the default MoE path and the Engram table on the device, one jitted step
+    per call ("decode_step") and per token inside generate's while_loop ("decode_token"))."""
+    with open(path) as f:  # bench_slice.json, or its incremental .jsonl (survives a time-out)
+        jx = [json.loads(x) for x in f if x.strip()] if path.endswith(".jsonl") else json.load(f)
     jd = {r["batch"]: r for r in jx if r.get("what") == "decode_step" and "seconds" in r
           and r.get("moe_path", "auto") == "auto" and r.get("engram", "engram_table_on_device") == "engram_table_on_device"}
     jp = {r["tokens"]: r for r in jx if r.get("what") == "prefill" and "seconds" in r}
+    jl = {r["batch"]: r for r in jx if r.get("what") == "decode_loop" and "seconds_per_step" in r}
     for r in list(RESULTS):
         if "seconds" not in r:
             continue
@@ -1012,6 +1014,10 @@ def compare(path):
             j = jd[r["batch"]]
             emit(what="ratio", kind="decode_step", batch=r["batch"], ctx=r["ctx"], impl=r["impl"],
                  torch_s=r["seconds"], jax_s=j["seconds"], torch_over_jax=r["seconds"] / j["seconds"])
+        if r.get("what") == "decode_step" and r["batch"] in jl and r.get("inputs") == "random":
+            j = jl[r["batch"]]  # JAX per token inside generate's on-device loop
+            emit(what="ratio", kind="decode_token", batch=r["batch"], ctx=r["ctx"], impl=r["impl"],
+                 torch_s=r["seconds"], jax_s=j["seconds_per_step"], torch_over_jax=r["seconds"] / j["seconds_per_step"])
         elif r.get("what") == "prefill" and r["tokens"] in jp:
             j = jp[r["tokens"]]
             emit(what="ratio", kind="prefill", tokens=r["tokens"], impl=r["impl"], torch_s=r["seconds"],
