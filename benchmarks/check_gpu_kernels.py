@@ -60,7 +60,12 @@ def main():
             x, bg, R // bm, codes, scale)
         want = jax.jit(lambda *a: Q.grouped_qmatmul_reference(*a, bm=bm, out_dtype=jnp.float32))(
             x, bg, R // bm, codes, scale)
-        emit(check="qmatmul", case=name, splitk=cfg.splitk, bk=cfg.bk, rel_err=rel(got, want))
+        lowp = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=jnp.float32, impl="triton",
+                                                    lowp_dequant=True))(x, bg, R // bm, codes, scale)
+        f32 = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=jnp.float32, impl="triton",
+                                                   lowp_dequant=False))(x, bg, R // bm, codes, scale)
+        emit(check="qmatmul", case=name, splitk=cfg.splitk, bk=cfg.bk, rel_err=rel(got, want),
+             lowp_rel_err=rel(lowp, want), lowp_vs_f32_max_abs=float(jnp.max(jnp.abs(lowp - f32))))
 
 
 if __name__ == "__main__":

@@ -96,6 +96,8 @@ CASES = [
     ("fp8", 1, 72, 256, 1, 3, 3, "reduce", {"splitk": 2}),
     ("int8", 3, 72, 128, 64, 3, 2, "dot", {"split": True, "splitk": 2}),
     ("bf16", 6, 40, 96, 1, 6, 5, "auto", {"splitk": 1}),
+    ("int8", 6, 40, 256, 1, 7, 5, "auto", {"lowp_dequant": True}),
+    ("fp8", 1, 72, 256, 1, 3, 3, "auto", {"lowp_dequant": True}),
 ]
 
 

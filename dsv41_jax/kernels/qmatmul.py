@@ -140,7 +140,9 @@ class Config:
     block run next to each other (the x tile is reused; weights once per row block). ``splitk``
     > 1: K is cut into that many equal ranges, each run by its own program into an fp32 partial
     sum ``[splitk, R, O]`` that XLA adds up and rounds once (small problems, e.g. decode GEMVs:
-    enough programs in flight to stream the weights at full bandwidth)."""
+    enough programs in flight to stream the weights at full bandwidth). ``lowp_dequant``: "dot"
+    mode dequantizes in the compute dtype (codes and power-of-two scales convert exactly, so the
+    weights are the same values) instead of through fp32 (experiment; ``DSV41_QMATMUL_DEQUANT``)."""
     mode: str
     tm: int
     bo: int
@@ -151,6 +153,7 @@ class Config:
     acc: bool = False
     group_rows: int = 0
     splitk: int = 1
+    lowp_dequant: bool = False
 
 
 # split-K target: about this many programs in flight (4 per SM of a 132-SM H200)
@@ -207,6 +210,7 @@ def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb:
                    acc=tm == 1)
     else:
         raise ValueError(f"grouped_qmatmul: mode {mode!r} (use auto, reduce or dot)")
+    cfg.setdefault("lowp_dequant", os.environ.get("DSV41_QMATMUL_DEQUANT", "f32") == "lowp")
     cfg.update(override)
     tm = _pow2_at_least(bm)
     cfg["tm"] = max(tm, 16) if cfg["mode"] == "dot" else tm
@@ -318,7 +322,10 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
                 return acc
             c = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb), :], omask[:, :, None])     # [bo, nkb, 32]
             s = _load(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb)], omask)                  # [bo, nkb]
-            w = (c.astype(F32) * scale_values(s, mult)[:, :, None]).reshape(bo, bk)
+            if cfg.lowp_dequant and cd != F32:  # codes and the power-of-two scale in cd: exact products
+                w = (c.astype(cd) * scale_values(s, mult).astype(cd)[:, :, None]).reshape(bo, bk)
+            else:
+                w = (c.astype(F32) * scale_values(s, mult)[:, :, None]).reshape(bo, bk)
             xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask)
             return acc + dot(xt, w)
 
