@@ -41,8 +41,24 @@ FINISH_REASONS = {1: "stop", 2: "length"}
 # ---------------------------------------------------------------------------------------------
 # one forward over a chunk (prefill chunk or one decode token)
 
+@dataclasses.dataclass(frozen=True)
+class FlatGraph:
+    """A model's graph with the pytree structure of its state: the jitted generation functions
+    take the state as the flat list of its arrays (a list flattens in C++; an ``nnx.State`` of a
+    full model costs milliseconds of Python per call) and rebuild it inside the trace."""
+
+    graphdef: Any
+    treedef: Any
+
+
+def _merge(graphdef, state):
+    if isinstance(graphdef, FlatGraph):
+        return nnx.merge(graphdef.graphdef, jax.tree_util.tree_unflatten(graphdef.treedef, state))
+    return nnx.merge(graphdef, state)
+
+
 def _forward(graphdef, state, cache, ids, valid, inputs_embeds, image_mask, engram_hashes, logits_at=None):
-    model = nnx.merge(graphdef, state)
+    model = _merge(graphdef, state)
     B, S = ids.shape
     pos = cache["length"][:, None] + jnp.arange(S, dtype=jnp.int32)[None]
     logits, cache = model(ids, inputs_embeds=inputs_embeds, positions=pos, valid=valid, cache=cache,
@@ -59,6 +75,13 @@ def _jitted(graphdef):
 def _split(model):
     graphdef, state = nnx.split(model)
     return graphdef, state
+
+
+def _split_flat(model):
+    """(FlatGraph, list of state arrays): the calling convention of the generation executables."""
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    return FlatGraph(graphdef, treedef), leaves
 
 
 def forward_chunk(model, ids, cache, *, valid=None, inputs_embeds=None, image_mask=None, engram_hashes=None,
@@ -217,13 +240,13 @@ def _decode_avals(model, B: int, N: int, max_len: int):
 
 def compile_prefill(model, batch: int, chunk: int, max_len: int, *, with_embeds: bool = False) -> float:
     """Compile the prefill chunk function for ids [batch, chunk] and a cache of ``max_len``."""
-    graphdef, state = _split(model)
+    graphdef, state = _split_flat(model)
     return _executable("prefill", graphdef, (state, *_prefill_avals(model, batch, chunk, max_len, with_embeds)))[1]
 
 
 def compile_decode(model, batch: int, new_tokens: int, max_len: int) -> float:
     """Compile the decode while_loop for [batch] rows, a [batch, new_tokens] buffer, cache ``max_len``."""
-    graphdef, state = _split(model)
+    graphdef, state = _split_flat(model)
     return _executable("decode_loop", graphdef, (state, *_decode_avals(model, batch, new_tokens, max_len)))[1]
 
 
@@ -343,7 +366,7 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
               else _pad_rows(image_mask, B, L, bool, "image_mask", n, longest))
         im &= pb.valid
 
-    graphdef, state = _split(model)
+    graphdef, state = _split_flat(model)
     timings = {"compile_s": 0.0, "compiles": 0}
 
     def get(kind, args):

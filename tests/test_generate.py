@@ -222,3 +222,19 @@ def test_pad_prompts():
     assert [b.prompt_len(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
     assert b.prompt_len(17, chunk=24) == 48 and b.new_tokens(1) == 16 and b.cache_len(16, 16) == 32
     assert [Buckets(max_batch=64).batch(n) for n in (1, 3, 64)] == [1, 4, 64]
+
+
+def test_executables_take_the_state_as_a_flat_list(model, prompts):
+    """The generation executables take the weights as the list of their arrays (flattened in C++
+    per call; an nnx.State of the full model costs milliseconds of Python per call) and the
+    graph + tree structure as the static part; the model merged back is the same model."""
+    from flax import nnx
+
+    fg, leaves = G._split_flat(model)
+    assert isinstance(fg, G.FlatGraph) and isinstance(leaves, list)
+    gd, st = nnx.split(model)
+    assert fg.graphdef == gd and len(leaves) == len(jax.tree_util.tree_leaves(st))
+    merged = G._merge(fg, leaves)
+    for a, b in zip(jax.tree_util.tree_leaves(nnx.state(merged)), jax.tree_util.tree_leaves(st)):
+        assert a is b or np.array_equal(np.asarray(a), np.asarray(b))
+    hash(fg)  # the executable cache key
