@@ -100,8 +100,10 @@ def kernel_events(xplane_path: str):
     return evs, lines
 
 
-def summarize(xplane_path: str, hlo_text: str, steps: int, wall_s: float, top: int = 40) -> dict:
-    src = hlo_sources(hlo_text) if hlo_text else {}
+def summarize(xplane_path: str, hlo_text, steps: int, wall_s: float, top: int = 40) -> dict:
+    """``hlo_text``: the optimized HLO of the profiled executable, or an instruction -> source
+    mapping already built (``dumped_sources``)."""
+    src = hlo_text if isinstance(hlo_text, dict) else (hlo_sources(hlo_text) if hlo_text else {})
     evs, lines = kernel_events(xplane_path)
     by_src, by_kernel = collections.Counter(), collections.Counter()
     n_src, n_kernel = collections.Counter(), collections.Counter()
@@ -151,7 +153,7 @@ def profile(fn, args, steps: int, name: str, out_dir: str | None, hlo_text: str,
     wall = time.perf_counter() - t0
     pb = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0]
     summ = summarize(pb, hlo_text, steps, wall)
-    if out_dir and SAVE_RAW:
+    if out_dir and SAVE_RAW and isinstance(hlo_text, str):
         shutil.copy(pb, os.path.join(out_dir, f"{name}.xplane.pb"))
         with gzip.open(os.path.join(out_dir, f"{name}.hlo.txt.gz"), "wt") as f:
             f.write(hlo_text)
@@ -159,9 +161,56 @@ def profile(fn, args, steps: int, name: str, out_dir: str | None, hlo_text: str,
     return summ, args
 
 
+def dumped_sources(dump_dir: str) -> dict:
+    """Instruction -> source of every module XLA dumped to ``dump_dir`` (``hlo_sources`` per
+    module, merged; on a name clash the first module wins)."""
+    out = {}
+    for path in sorted(glob.glob(os.path.join(dump_dir, "*after_optimizations.txt"))):
+        with open(path) as f:
+            for k, v in hlo_sources(f.read()).items():
+                out.setdefault(k, v)
+    return out
+
+
+def profile_vit(model, cfg, tokens: int, tag: str, env: dict, dump_dir: str | None):
+    """ViT + aligner on one random image of about ``tokens`` LLM tokens, bf16 attention mode:
+    the tower's kernels by source line (names may collide across its executables: the first
+    module's mapping wins)."""
+    import dataclasses
+
+    import jax
+    from PIL import Image
+
+    from dsv41_jax import processor
+    from dsv41_jax.model.vision import encode_images
+
+    import numpy as np
+
+    v = cfg.vision
+    side = int(np.sqrt(tokens)) * v.patch_size * v.downsample_ratio
+    img = Image.fromarray(np.random.default_rng(0).integers(0, 255, (side, side, 3), dtype=np.uint8))
+    pi = processor.preprocess_image(img, v)
+    num = dataclasses.replace(model.numerics, vision_attention="bf16")
+    t0 = time.perf_counter()
+    jax.block_until_ready(encode_images(model.vision, model.aligner, model, [pi], num))
+    first = time.perf_counter() - t0
+    hlo = dumped_sources(dump_dir) if dump_dir else ""
+
+    def run():
+        return encode_images(model.vision, model.aligner, model, [pi], num)
+
+    name = f"vit{tokens}" + (f"_{tag}" if tag else "")
+    try:
+        summ, _ = profile(lambda: run(), (), 1, name, os.environ.get("OUT"), hlo, donate_cache=False)
+        bs.emit(what="profile", target=f"vit:{tokens}", patches=pi.n_patches, env=env, first_call_s=first, **summ)
+    except Exception as e:
+        bs.emit(what="profile", target=f"vit:{tokens}", env=env, error=f"{type(e).__name__}: {str(e)[:400]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--targets", default="decode:1", help="decode:BATCH / prefill:TOKENS, comma separated")
+    ap.add_argument("--targets", default="decode:1",
+                    help="decode:BATCH / prefill:TOKENS / vit:IMAGE_TOKENS (bf16 attention mode), comma separated")
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--ctx", type=int, default=4096)
@@ -181,6 +230,13 @@ def main():
             steps = 1 if name.startswith("prefill") else a.steps
             print(json.dumps(dict(name=name, **summarize(pb, hlo, steps, 0.0)), indent=1))
         return
+    dump_dir = None
+    if any(t.startswith("vit") for t in a.targets.split(",")):
+        # the vision tower runs several executables: their optimized HLO comes from an XLA dump
+        # (read by ``dumped_sources``); must be set before the backend starts
+        dump_dir = tempfile.mkdtemp()
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_dump_to={dump_dir} --xla_dump_hlo_as_text").strip()
     import functools
 
     import jax
@@ -210,6 +266,9 @@ def main():
     for target in a.targets.split(","):
         kind, n = target.split(":")
         n = int(n)
+        if kind == "vit":
+            profile_vit(model, cfg, n, a.tag, env, dump_dir)
+            continue
         fn = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,))
         if kind == "decode":
             cache = model.init_cache(n, a.ctx + 64)
