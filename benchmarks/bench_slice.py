@@ -46,15 +46,26 @@ def _kernels() -> str:
     return "pallas" if use_pallas() else "xla"
 
 
+def jsonl_emitter(filename: str):
+    """An ``emit(**row)`` that prints the row as one JSON line and appends it to $OUT/filename
+    (when $OUT is set): an incremental copy that survives a time-out of the device call."""
+    def emit_row(**row):
+        print(json.dumps(row), flush=True)
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, filename), "a") as f:
+                f.write(json.dumps(row) + "\n")
+    return emit_row
+
+
+_emit_row = jsonl_emitter("bench_slice.jsonl")
+
+
 def emit(**kw):
     if TAG:
         kw["tag"] = TAG
     RESULTS.append(kw)
-    print(json.dumps(kw), flush=True)
-    out = os.environ.get("OUT")
-    if out:  # incremental copy: survives a time-out of the call
-        with open(os.path.join(out, "bench_slice.jsonl"), "a") as f:
-            f.write(json.dumps(kw) + "\n")
+    _emit_row(**kw)
 
 
 def bench(fn, *args, warmup=2, iters=5):

@@ -6,12 +6,13 @@ split-K decode configurations (int8 experts, dense fp8).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import bench_slice as bs  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -20,12 +21,7 @@ from dsv41_jax.kernels import qmatmul as Q  # noqa: E402
 from dsv41_jax.kernels.sinkhorn import sinkhorn, sinkhorn_reference  # noqa: E402
 
 
-def emit(**row):
-    print(json.dumps(row), flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "check_gpu_kernels.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
+emit = bs.jsonl_emitter("check_gpu_kernels.jsonl")
 
 
 def rel(a, b):

@@ -7,7 +7,6 @@ line per config (also appended to $OUT/sweep_gemv.jsonl); the last line per case
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -19,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_qmatmul as bq  # noqa: E402
+import bench_slice as bs  # noqa: E402
 from dsv41_jax.kernels import qmatmul as Q  # noqa: E402
 
 IMPL = "triton"
@@ -30,12 +30,7 @@ CASES = {  # name: (groups, O, K, pairs (rows; one row block each when groups > 
 }
 
 
-def emit(**row):
-    print(json.dumps(row), flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "sweep_gemv.jsonl"), "a") as f:
-            f.write(json.dumps(row) + "\n")
+emit = bs.jsonl_emitter("sweep_gemv.jsonl")
 
 
 def run_case(name, key):
