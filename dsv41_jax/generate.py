@@ -33,6 +33,7 @@ from flax import nnx
 
 from dsv41_jax.buckets import DEFAULT_BUCKETS, Buckets, check_prompts, pad_prompts, round_up
 from dsv41_jax.sampling import SamplingParams, sample
+from dsv41_jax.sharding import mesh_of
 
 F32 = jnp.float32
 FINISH_REASONS = {1: "stop", 2: "length"}
@@ -188,15 +189,71 @@ def _aval_key(x):
     return tuple(x.shape), str(jnp.dtype(x.dtype)), bool(getattr(x, "weak_type", False))
 
 
-def _executable(kind: str, graphdef, args: tuple):
-    """(compiled executable, compile seconds spent now) for ``kind`` at the shapes of ``args``."""
+_DONATE = {"prefill": (1, 8), "decode_loop": (1,)}
+_FUNCTIONS = {"prefill": _prefill_chunk, "decode_loop": _decode_loop}
+
+
+def _arg_shardings(mesh, kind: str, args: tuple):
+    """Shardings of a generation executable's arguments after the state, on ``mesh``: caches by
+    the partition rules, per-row arrays with their batch on "data" (replicated when it does not
+    divide), the rest (scalars, vocabulary masks, the PRNG key) replicated."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from dsv41_jax import sharding as shd
+
+    def row(x):
+        return None if x is None else NamedSharding(mesh, shd.batch_spec(mesh, x.shape))
+
+    rep = NamedSharding(mesh, P())
+    if kind == "prefill":
+        cache, ids, valid, emb, im, start, last_idx, prev = args
+        return (shd.cache_shardings(cache, mesh), row(ids), row(valid), row(emb), row(im), rep, row(last_idx),
+                row(prev))
+    ds, params, stop_mask, banned, max_new, limit = args
+    ds_sh = DecodeState(tokens=row(ds.tokens), logits=row(ds.logits), step=rep, done=row(ds.done),
+                        count=row(ds.count), finish=row(ds.finish), cache=shd.cache_shardings(ds.cache, mesh),
+                        key=rep)
+    return (ds_sh, jax.tree.map(row, params), rep, rep, row(max_new), rep)
+
+
+def _placed(mesh, kind: str, args: tuple) -> tuple:
+    """``args`` (state first) with everything after the state placed on ``mesh`` (arrays moved,
+    ShapeDtypeStructs given the sharding); unchanged without a mesh."""
+    if mesh is None:
+        return args
+
+    def put(x, s):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        return jax.device_put(x, s)
+
+    rest = args[1:]
+    return (args[0], *jax.tree.map(put, rest, _arg_shardings(mesh, kind, rest)))
+
+
+def _executable(kind: str, graphdef, args: tuple, mesh=None):
+    """(compiled executable, compile seconds spent now) for ``kind`` at the shapes of ``args``.
+
+    On a mesh (a sharded model) the arguments must come through :func:`_placed`; the outputs
+    (cache, pending logits, decode state) keep the shardings of the matching inputs, so a
+    streamed loop feeds its own output back without a reshard, and the MoE traces its
+    expert-parallel path under the mesh."""
     leaves, tree = jax.tree.flatten(args)
-    key = (kind, graphdef, tree, tuple(_aval_key(x) for x in leaves))
+    key = (kind, graphdef, tree, tuple(_aval_key(x) for x in leaves), mesh)
     ex = _EXECUTABLES.get(key)
     if ex is not None:
         return ex, 0.0
     t0 = time.perf_counter()
-    ex = _FACTORIES[kind](graphdef).lower(*args).compile()
+    if mesh is None:
+        ex = _FACTORIES[kind](graphdef).lower(*args).compile()
+    else:
+        from dsv41_jax import sharding as shd
+
+        out = jax.tree.map(lambda x: x.sharding, (args[1], args[8]) if kind == "prefill" else args[1])
+        fn = jax.jit(functools.partial(_FUNCTIONS[kind], graphdef), donate_argnums=_DONATE[kind], out_shardings=out)
+        with shd.use_mesh(mesh):
+            ex = fn.lower(*args).compile()
     dt = time.perf_counter() - t0
     _EXECUTABLES[key] = ex
     _STATS["compiles"] += 1
@@ -241,13 +298,17 @@ def _decode_avals(model, B: int, N: int, max_len: int):
 def compile_prefill(model, batch: int, chunk: int, max_len: int, *, with_embeds: bool = False) -> float:
     """Compile the prefill chunk function for ids [batch, chunk] and a cache of ``max_len``."""
     graphdef, state = _split_flat(model)
-    return _executable("prefill", graphdef, (state, *_prefill_avals(model, batch, chunk, max_len, with_embeds)))[1]
+    mesh = mesh_of(state)
+    args = _placed(mesh, "prefill", (state, *_prefill_avals(model, batch, chunk, max_len, with_embeds)))
+    return _executable("prefill", graphdef, args, mesh)[1]
 
 
 def compile_decode(model, batch: int, new_tokens: int, max_len: int) -> float:
     """Compile the decode while_loop for [batch] rows, a [batch, new_tokens] buffer, cache ``max_len``."""
     graphdef, state = _split_flat(model)
-    return _executable("decode_loop", graphdef, (state, *_decode_avals(model, batch, new_tokens, max_len)))[1]
+    mesh = mesh_of(state)
+    args = _placed(mesh, "decode_loop", (state, *_decode_avals(model, batch, new_tokens, max_len)))
+    return _executable("decode_loop", graphdef, args, mesh)[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,10 +428,11 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
         im &= pb.valid
 
     graphdef, state = _split_flat(model)
+    mesh = mesh_of(state)  # a sharded model: the cache and inputs are placed by the rules
     timings = {"compile_s": 0.0, "compiles": 0}
 
     def get(kind, args):
-        ex, dt = _executable(kind, graphdef, args)
+        ex, dt = _executable(kind, graphdef, args, mesh)
         timings["compile_s"] += dt
         timings["compiles"] += int(dt > 0)
         return ex
@@ -383,9 +445,10 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
     t_run = 0.0
     for c in range(n_chunks):
         sl = slice(c * C, (c + 1) * C)
-        args = (state, cache, jnp.asarray(pb.ids[:, sl]), jnp.asarray(pb.valid[:, sl]),
-                None if emb is None else jnp.asarray(emb[:, sl]), None if im is None else jnp.asarray(im[:, sl]),
-                jnp.asarray(c * C, jnp.int32), last_idx, prev)
+        args = _placed(mesh, "prefill", (
+            state, cache, jnp.asarray(pb.ids[:, sl]), jnp.asarray(pb.valid[:, sl]),
+            None if emb is None else jnp.asarray(emb[:, sl]), None if im is None else jnp.asarray(im[:, sl]),
+            jnp.asarray(c * C, jnp.int32), last_idx, prev))
         ex = get("prefill", args)
         t0 = time.perf_counter()
         cache, prev = ex(*args)
@@ -402,8 +465,9 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
                      step=jnp.asarray(0, jnp.int32), done=jnp.asarray(~real), count=jnp.zeros((B,), jnp.int32),
                      finish=jnp.asarray(np.where(real, 0, 2).astype(np.int32)), cache=cache,
                      key=jax.random.PRNGKey(seed))
-    args = (params, jnp.asarray(stop_mask), jnp.asarray(banned), jnp.asarray(mn))
-    ex = get("decode_loop", (state, ds, *args, jnp.asarray(N, jnp.int32)))
+    _, ds, *args, limit = _placed(mesh, "decode_loop", (state, ds, params, jnp.asarray(stop_mask),
+                                                         jnp.asarray(banned), jnp.asarray(mn), jnp.asarray(N, jnp.int32)))
+    ex = get("decode_loop", (state, ds, *args, limit))
     timings["setup_s"] = time.perf_counter() - t_start - timings["compile_s"] - timings["prefill_s"]
     shapes = {"batch": B, "prompt_len": Lb, "chunk": C, "new_tokens": N, "max_len": cap}
     return _Run(ex=ex, state=state, ds=ds, args=args, n=n, N=N, timings=timings, shapes=shapes)

@@ -461,6 +461,20 @@ def shard_batch(x, mesh):
     return jax.device_put(x, NamedSharding(mesh, batch_spec(mesh, np.shape(x))))
 
 
+def mesh_of(arrays) -> Any:
+    """The multi-device mesh ``arrays`` (e.g. a model's state leaves, as ``shard_model`` or a
+    restore into a mesh leave them) are placed on, or None when they live on one device. Every
+    variable of a sharded model carries a ``NamedSharding``, so the first array decides."""
+    from jax.sharding import NamedSharding
+
+    for x in arrays:
+        sh = getattr(x, "sharding", None)
+        if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
+            return sh.mesh
+        return None
+    return None
+
+
 # ------------------------------------------------------------------------------------- table
 def _spec_str(spec) -> str:
     parts = []

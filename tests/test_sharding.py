@@ -142,6 +142,16 @@ def test_sharded_model_and_moe_on_8_devices():
     assert not bad, bad
 
 
+def test_generate_on_a_mesh_equals_one_device():
+    """Child: ``load(path, mesh=...)`` then ``generate`` (whole and chunked prefill), the stream
+    and a repeat call (no recompile) with a text and an image prompt, for meshes (1,8,1) and
+    (2,2,2): the same greedy tokens as the unsharded model."""
+    res = _run_child("generate")
+    bad = {k: v for k, v in res.items() if not v["ok"]}
+    assert not bad, bad
+    assert len(res) == len(GENERATE_MESHES)
+
+
 def test_mesh_from_spec_creates_simulated_devices_before_init():
     """A fresh process: mesh_from_spec adds simulated CPU devices; once jax is initialised a larger
     mesh is a clear error that names XLA_FLAGS."""
@@ -345,6 +355,42 @@ def _child_verify(out: dict):
                                                          failed=failed[:5], seconds=round(time.time() - t0, 1))
 
 
+GENERATE_MESHES = ((1, 8, 1), (2, 2, 2))
+
+
+def _child_generate(out: dict, tmp: str):
+    """The user path: ``load(..., mesh=)`` then ``generate`` / ``generate_stream`` with a text
+    and an image prompt, against the same checkpoint on one device."""
+    import jax
+    from PIL import Image
+
+    from dsv41_jax import api
+    from dsv41_jax.generate import compile_stats
+    from dsv41_jax.tiny import write_tiny_checkpoint
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    d = os.path.join(tmp, "gen8")
+    cfg = write_tiny_checkpoint(d, fmt="bf16", seed=6, config=MESH_CONFIG, vision=True)
+    img = Image.fromarray(np.random.default_rng(3).integers(0, 255, (40, 56, 3), dtype=np.uint8))
+    prompts = [[0, 11, 12, 13, 14, 15, 16], [0, 21, cfg["image_token_id"], 22, 23]]
+    images = [[], [img]]
+    kw = dict(max_new_tokens=5)
+    ref = api.load(d, numerics="fast", dtype="float32").generate(prompts, images, **kw).tokens
+    for spec in GENERATE_MESHES:
+        t0 = time.time()
+        m = api.load(d, numerics="fast", dtype="float32", mesh=",".join(map(str, spec)))
+        got = m.generate(prompts, images, **kw).tokens
+        chunked = m.generate(prompts, images, prefill_chunk=4, **kw).tokens
+        streamed = [s.tokens for s in m.generate(prompts, images, stream=True, **kw)]
+        streamed = [[t for t in col if t is not None] for col in zip(*streamed)]
+        before = compile_stats()["compiles"]
+        again = m.generate(prompts, images, **kw).tokens
+        recompiles = compile_stats()["compiles"] - before
+        ok = got == ref and chunked == ref and streamed == ref and again == ref and recompiles == 0
+        out[f"generate mesh={spec}"] = dict(ok=bool(ok), tokens=got, chunked=chunked, streamed=streamed, ref=ref,
+                                            recompiles=recompiles, seconds=round(time.time() - t0, 1))
+
+
 def _child(task: str):
     import tempfile
 
@@ -357,6 +403,9 @@ def _child(task: str):
         _child_moe(out)
         with tempfile.TemporaryDirectory() as tmp:
             _child_model(out, tmp)
+    elif task == "generate":
+        with tempfile.TemporaryDirectory() as tmp:
+            _child_generate(out, tmp)
     elif task == "verify":
         _child_verify(out)
     else:
