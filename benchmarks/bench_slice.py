@@ -96,6 +96,28 @@ def ceilings():
     return copy, 2 * 8192 ** 3 / t / 1e12
 
 
+def shrink_to_small(d: dict) -> None:
+    """The --small widths (CPU smoke tests): hidden 256, 32 experts, vocab 4096, a 2-layer ViT."""
+    t = d["text_config"]
+    t.update(hidden_size=256, moe_intermediate_size=128, num_attention_heads=8, head_dim=128,
+             qk_rope_head_dim=64, q_lora_rank=64, o_lora_rank=64, o_groups=4, n_routed_experts=32,
+             index_n_heads=4, index_head_dim=64, vocab_size=4096)
+    d["vision_config"].update(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=256)
+    d["image_token_id"] = 4000
+    t["engram_compressed_vocab_size"] = 3000
+
+
+def set_engram_vocab(t: dict, vocab: int) -> None:
+    """Engram tables of ``vocab`` n-gram ids per head and order (the release: 16M -> 384M rows
+    per table); the per-head primes and table sizes re-derived like the release's."""
+    from dsv41_jax.engram_layout import engram_primes
+
+    t["engram_vocab_size"] = max(int(vocab), 1000)
+    t["engram_num_embeddings"] = [0]
+    primes = engram_primes(t)
+    t["engram_num_embeddings"] = [int(sum(sum(s) for s in layer)) for layer in primes]
+
+
 def slice_config(n_layers: int, small: bool, engram_rows: int):
     base = preset("v41-flash").raw
     d = json.loads(json.dumps(base))
@@ -107,47 +129,68 @@ def slice_config(n_layers: int, small: bool, engram_rows: int):
              candidate_source_layer_id=2 if n_layers > 2 else -1,
              engram_layer_ids=[0], dspark_target_layer_ids=[])
     if small:
-        t.update(hidden_size=256, moe_intermediate_size=128, num_attention_heads=8, head_dim=128,
-                 qk_rope_head_dim=64, q_lora_rank=64, o_lora_rank=64, o_groups=4, n_routed_experts=32,
-                 index_n_heads=4, index_head_dim=64, vocab_size=4096)
-        d["vision_config"].update(num_hidden_layers=2, hidden_size=128, num_attention_heads=2, intermediate_size=256)
-        d["image_token_id"] = 4000
-        t["engram_compressed_vocab_size"] = 3000
-    # Engram at a documented fraction of the real table (rows), primes re-derived below
-    from dsv41_jax.engram_layout import engram_primes
-
-    t["engram_vocab_size"] = max(engram_rows // ((t["engram_max_ngram_size"] - 1) * t["engram_n_heads"]), 1000)
-    t["engram_num_embeddings"] = [0]
-    primes = engram_primes(t)
-    t["engram_num_embeddings"] = [int(sum(sum(s) for s in layer)) for layer in primes]
+        shrink_to_small(d)
+    # Engram at a documented fraction of the real table (rows)
+    set_engram_vocab(t, engram_rows // ((t["engram_max_ngram_size"] - 1) * t["engram_n_heads"]))
     return parse_config(d)
 
 
-def random_model(cfg, numerics, seed=0, **model_kw):
-    """Build the model abstractly and materialise every leaf with random values on the device.
+def _random_bytes(k, shp):
+    """Uniform random uint8 of ``shp`` from 32-bit words (no [shp] uint32 temporary)."""
+    if shp and shp[-1] % 4 == 0:
+        r = jax.random.bits(k, (*shp[:-1], shp[-1] // 4), jnp.uint32)
+        return jax.lax.bitcast_convert_type(r, jnp.uint8).reshape(shp)
+    return jax.random.bits(k, shp, jnp.uint8)
 
-    ``model_kw`` go to ``DeepseekV41`` (e.g. ``experts_int8=True``: int8 codes in -12..12 = twice
-    the e2m1 values, ue8m0 scale bytes 110..124)."""
+
+def random_leaf(k, shp, dt):
+    """Random values for one leaf: int8 codes in -12..12 (twice the e2m1 values), ue8m0 scale
+    bytes 110..124, int32 in 0..999, fp8 codes of magnitude < 2 with a random sign, floats
+    0.05 x normal. The byte-sized ones come from random bytes, so a large table (an Engram
+    table, a layer's experts) needs little temporary memory."""
+    if dt == jnp.uint8:
+        return (110 + _random_bytes(k, shp) % 15).astype(jnp.uint8)
+    if dt == jnp.int32:
+        return jax.random.randint(k, shp, 0, 1000).astype(jnp.int32)
+    if dt == jnp.int8:
+        return (_random_bytes(k, shp) % 25).astype(jnp.int8) - 12
+    if dt == jnp.float8_e4m3fn:
+        r = _random_bytes(k, shp)
+        return jax.lax.bitcast_convert_type((r & 0x3F) | ((r & 0x40) << 1), jnp.float8_e4m3fn)
+    return (0.05 * jax.random.normal(k, shp, jnp.float32)).astype(dt)
+
+
+def random_model(cfg, numerics, seed=0, mesh=None, **model_kw):
+    """Build the model abstractly and materialise every leaf with random values on the device;
+    with ``mesh``, each leaf is generated straight into its partition rule's sharding (placed
+    shape, so Engram tables come out padded like ``shard_model`` pads them): no host copy and
+    no one-device staging, so a model larger than one GPU can be built.
+
+    ``model_kw`` go to ``DeepseekV41`` (e.g. ``experts_int8=True``)."""
     from dsv41_jax.model.lm import DeepseekV41
 
     abstract = nnx.eval_shape(lambda: DeepseekV41(cfg, numerics, engram_quantized=True, **model_kw))
     graphdef, state = nnx.split(abstract)
+    if mesh is not None:
+        from dsv41_jax import sharding as shd
+
+        state = shd.abstract_params(abstract, mesh)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     key = jax.random.key(seed)
+    fns = {}
 
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def init(k, shp, dt):
-        if dt == jnp.uint8:
-            return jax.random.randint(k, shp, 110, 125).astype(jnp.uint8)
-        if dt == jnp.int32:
-            return jax.random.randint(k, shp, 0, 1000).astype(jnp.int32)
-        if dt == jnp.int8:
-            return jax.random.randint(k, shp, -12, 13).astype(jnp.int8)
-        if dt == jnp.float8_e4m3fn:
-            return jax.random.normal(k, shp, jnp.float32).astype(dt)
-        return (0.05 * jax.random.normal(k, shp, jnp.float32)).astype(dt)
+    def init(i, leaf):
+        sh = getattr(leaf, "sharding", None) if mesh is not None else None
+        sig = (tuple(leaf.shape), jnp.dtype(leaf.dtype), sh)
+        if sig not in fns:
+            fns[sig] = jax.jit(functools.partial(random_leaf, shp=sig[0], dt=sig[1]), out_shardings=sh)
+        return fns[sig](jax.random.fold_in(key, i))
 
-    out = [init(jax.random.fold_in(key, i), tuple(leaf.shape), jnp.dtype(leaf.dtype)) for i, leaf in enumerate(leaves)]
+    # largest first: their generation temporaries meet an empty device
+    order = sorted(range(len(leaves)), key=lambda i: -int(np.prod(leaves[i].shape)) * jnp.dtype(leaves[i].dtype).itemsize)
+    out = [None] * len(leaves)
+    for i in order:
+        out[i] = init(i, leaves[i])
     state = jax.tree_util.tree_unflatten(treedef, out)
     model = nnx.merge(graphdef, state)
     if model.engram_hasher is not None:
@@ -156,6 +199,10 @@ def random_model(cfg, numerics, seed=0, **model_kw):
         tmap = rng.integers(0, t.engram_compressed_vocab_size, size=t.vocab_size).astype(np.int32)
         tmap[: t.engram_compressed_vocab_size] = np.arange(t.engram_compressed_vocab_size)
         model.engram_hasher.set_token_map(tmap)
+        if mesh is not None:  # the new map onto the mesh (the placed leaves are left as they are)
+            from dsv41_jax import sharding as shd
+
+            shd.shard_model(model, mesh)
     return model
 
 
@@ -367,39 +414,43 @@ def bench_decode(model, cfg, batches, ctx, moe_path="auto", tag="engram_table_on
             emit(what="decode_step", batch=B, moe_path=moe_path, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=None):
+def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=None, roofline=None):
     """Per-token decode time as users get it: ``generate``'s on-device while_loop (sampling,
     stop checks and the model step per iteration; one dispatch per request). Times the loop
     for ``n_tokens`` and for 8 tokens from the same compiled executable (the step count is an
-    array) and reports the difference per token, so dispatch and setup cancel out."""
-    from dsv41_jax.generate import DecodeState, _loop_jit, _split
+    array) and reports the difference per token, so dispatch and setup cancel out. A sharded
+    model runs as ``generate`` runs it (cache and inputs placed by the rules, under the mesh).
+    ``roofline(B, seconds_per_step)``: extra fields for the row (e.g. per-device bytes on a
+    mesh), in place of the one-device byte roofline at ``copy_tb_s``."""
+    from dsv41_jax.generate import DecodeState, _executable, _placed, _split_flat, clear_compiled
     from dsv41_jax.sampling import SamplingParams
+    from dsv41_jax.sharding import mesh_of
 
-    graphdef, state = _split(model)
+    graphdef, state = _split_flat(model)
+    mesh = mesh_of(state)
     t = cfg.text
     V = t.vocab_size
     for B in batches:
         try:
-            def fresh():
+            def fresh(limit):
                 cache = model.init_cache(B, ctx + n_tokens + 64)
                 cache = dict(cache, length=jnp.full((B,), ctx, jnp.int32))
                 logits = jax.random.normal(jax.random.key(5 + B), (B, V), jnp.float32)
-                return DecodeState(tokens=jnp.full((B, n_tokens), -1, jnp.int32), logits=logits,
-                                   step=jnp.asarray(0, jnp.int32), done=jnp.zeros((B,), bool),
-                                   count=jnp.zeros((B,), jnp.int32), finish=jnp.zeros((B,), jnp.int32),
-                                   cache=cache, key=jax.random.PRNGKey(0))
-            args = (SamplingParams.greedy(B).pad(B), jnp.zeros((V,), bool), jnp.zeros((V,), bool),
-                    jnp.full((B,), n_tokens, jnp.int32))
-            fn = _loop_jit(graphdef)
-            t0 = time.perf_counter()
-            compiled = fn.lower(state, fresh(), *args, jnp.asarray(n_tokens, jnp.int32)).compile()
-            compile_s = time.perf_counter() - t0
+                ds = DecodeState(tokens=jnp.full((B, n_tokens), -1, jnp.int32), logits=logits,
+                                 step=jnp.asarray(0, jnp.int32), done=jnp.zeros((B,), bool),
+                                 count=jnp.zeros((B,), jnp.int32), finish=jnp.zeros((B,), jnp.int32),
+                                 cache=cache, key=jax.random.PRNGKey(0))
+                return _placed(mesh, "decode_loop", (state, ds, SamplingParams.greedy(B).pad(B), jnp.zeros((V,), bool),
+                                                     jnp.zeros((V,), bool), jnp.full((B,), n_tokens, jnp.int32),
+                                                     jnp.asarray(limit, jnp.int32)))
+
+            compiled, compile_s = _executable("decode_loop", graphdef, fresh(n_tokens), mesh)
 
             def run(limit):
-                ds = fresh()
-                jax.block_until_ready(ds)
+                args = fresh(limit)
+                jax.block_until_ready(args[1:])
                 t1 = time.perf_counter()
-                out = compiled(state, ds, *args, jnp.asarray(limit, jnp.int32))
+                out = compiled(*args)
                 steps = int(out.step)
                 return time.perf_counter() - t1, steps
 
@@ -411,8 +462,10 @@ def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=No
             per = (tl - ts) / (long[0][1] - short[0][1])
             row = dict(what="decode_loop", batch=B, ctx=ctx, layers=t.num_hidden_layers, tokens=n_tokens,
                        kernels=_kernels(), seconds_per_step=per, tokens_per_s=B / per, loop_s=tl,
-                       short_loop_s=ts, compile_s=compile_s)
-            if copy_tb_s:
+                       short_loop_s=ts, compile_s=compile_s, mesh=None if mesh is None else list(mesh.shape.values()))
+            if roofline is not None:
+                row.update(roofline(B, per))
+            elif copy_tb_s:
                 nb = decode_bytes(model, cfg, B, ctx)
                 row.update(bytes_uniform=nb["total"], roofline_frac_uniform=nb["total"] / (copy_tb_s * 1e12) / per)
                 dist = measured_distinct(model, cfg, B, ctx)
@@ -420,7 +473,8 @@ def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=No
                 row.update(distinct_experts=dist, bytes=nb["total"], roofline_s=nb["total"] / (copy_tb_s * 1e12),
                            roofline_frac=nb["total"] / (copy_tb_s * 1e12) / per)
             emit(**row)
-            compiled = None  # free the executable before the next batch
+            compiled = None
+            clear_compiled()  # free the executable before the next batch
         except Exception as e:  # report and continue
             emit(what="decode_loop", batch=B, error=f"{type(e).__name__}: {str(e)[:300]}")
 
@@ -448,35 +502,49 @@ def prefill_flops(model, cfg, S: int) -> float:
     return 2.0 * S * (dense + routed + mhc) + att + 2.0 * t.vocab_size * t.hidden_size
 
 
-def bench_prefill(model, cfg, lengths, mm_tflop_s=None):
-    from dsv41_jax.generate import _jitted, _split
+def bench_prefill(model, cfg, lengths, mm_tflop_s=None, batch: int = 1):
+    """One prompt of S tokens through ``generate``'s prefill executable (the whole prompt as one
+    chunk, logits at the last position only); a sharded model runs as ``generate`` runs it.
+    ``first_call_s`` includes the compile (``compile_s``)."""
+    from dsv41_jax.generate import _executable, _placed, _split_flat, clear_compiled
+    from dsv41_jax.sharding import mesh_of
 
-    graphdef, state = _split(model)
-    fn = _jitted(graphdef)
+    graphdef, state = _split_flat(model)
+    mesh = mesh_of(state)
+    V = cfg.text.vocab_size
     for S in lengths:
         try:
-            cache = model.init_cache(1, S)
-            ids = jax.random.randint(jax.random.key(1), (1, S), 0, cfg.text.vocab_size).astype(jnp.int32)
-            valid = jnp.ones((1, S), bool)
-            last = jnp.full((1,), S - 1, jnp.int32)  # logits at the last position only, as generate does
+            ids = jax.random.randint(jax.random.key(1), (batch, S), 0, V).astype(jnp.int32)
+
+            def args():
+                return _placed(mesh, "prefill", (state, model.init_cache(batch, S), ids, jnp.ones((batch, S), bool),
+                                                 None, None, jnp.asarray(0, jnp.int32),
+                                                 jnp.full((batch,), S - 1, jnp.int32), jnp.zeros((batch, V), jnp.float32)))
+
             t0 = time.perf_counter()
-            lg, _ = fn(state, cache, ids, valid, None, None, None, last)
+            fn, compile_s = _executable("prefill", graphdef, args(), mesh)
+            _, lg = fn(*args())
             jax.block_until_ready(lg)
             first = time.perf_counter() - t0
             ts = []
             for _ in range(3):
-                cache = model.init_cache(1, S)
+                a = args()
+                jax.block_until_ready(a[1:])
                 t1 = time.perf_counter()
-                lg, _ = fn(state, cache, ids, valid, None, None, None, last)
+                _, lg = fn(*a)
                 jax.block_until_ready(lg)
                 ts.append(time.perf_counter() - t1)
             run = float(np.median(ts))
-            fl = prefill_flops(model, cfg, S)
-            row = dict(what="prefill", tokens=S, layers=cfg.text.num_hidden_layers, seconds=run, first_call_s=first,
-                       tokens_per_s=S / run, flops=fl, kernels=_kernels())
+            fl = batch * prefill_flops(model, cfg, S)
+            row = dict(what="prefill", tokens=S, batch=batch, layers=cfg.text.num_hidden_layers, seconds=run,
+                       first_call_s=first, compile_s=compile_s, tokens_per_s=batch * S / run, flops=fl,
+                       kernels=_kernels(), mesh=None if mesh is None else list(mesh.shape.values()))
             if mm_tflop_s:
-                row.update(mfu=fl / run / (mm_tflop_s * 1e12))
+                n_dev = 1 if mesh is None else mesh.size
+                row.update(mfu=fl / run / (mm_tflop_s * 1e12 * n_dev))
             emit(**row)
+            fn = None
+            clear_compiled()
         except Exception as e:
             emit(what="prefill", tokens=S, error=f"{type(e).__name__}: {str(e)[:300]}")
 
@@ -641,9 +709,9 @@ def main():
         if "decode" not in skip:
             bench_decode(model, cfg, batches, a.ctx, copy_tb_s=copy_tb_s)
         if "prefill" not in skip:
-            from dsv41_jax.generate import _jitted
+            from dsv41_jax.generate import _prefill_jit
 
-            _jitted.cache_clear()  # the jitted forward is cached per graph: retrace under the new setting
+            _prefill_jit.cache_clear()  # the jitted prefill is cached per graph: retrace under the new setting
             bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
     if "engram_host" not in skip and "decode" not in skip:
         from dsv41_jax.model.engram import offload_engram_tables

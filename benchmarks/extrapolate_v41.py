@@ -58,23 +58,30 @@ def formats(expert: str, dense: str):
     return bpe
 
 
-def step_bytes(rows, cfg, spec, B: int, C: int, draws: int = 2000, seed: int = 0):
-    """(max-device bytes, mean-device bytes, parts) of one decode step."""
+def step_bytes(rows, cfg, spec, B: int, C: int, draws: int = 2000, seed: int = 0, selected=None):
+    """(max-device bytes, mean-device bytes, parts) of one decode step. ``selected``: the expert
+    ids each layer's router actually picked (one array per layer) in place of uniform draws."""
     t = cfg.text
     E, k = t.n_routed_experts, t.num_experts_per_tok
     n_exp_dev = spec[1]
-    rng = np.random.default_rng(seed)
-    # expected max over expert shards of the number of distinct selected local experts, per layer
     per_shard = E // n_exp_dev
-    mx, mean = [], []
-    for _ in range(draws):
-        sel = np.zeros(E, bool)
-        for _b in range(B):
-            sel[rng.choice(E, k, replace=False)] = True
-        cnt = sel.reshape(n_exp_dev, per_shard).sum(1)
-        mx.append(cnt.max())
-        mean.append(cnt.mean())
-    frac_max, frac_mean = float(np.mean(mx)) / per_shard, float(np.mean(mean)) / per_shard
+    if selected is None:
+        # expected max over expert shards of the number of distinct selected local experts
+        rng = np.random.default_rng(seed)
+        mx, mean = [], []
+        for _ in range(draws):
+            sel = np.zeros(E, bool)
+            for _b in range(B):
+                sel[rng.choice(E, k, replace=False)] = True
+            cnt = sel.reshape(n_exp_dev, per_shard).sum(1)
+            mx.append(cnt.max())
+            mean.append(cnt.mean())
+        fracs = [(float(np.mean(mx)) / per_shard, float(np.mean(mean)) / per_shard)] * t.num_hidden_layers
+    else:
+        fracs = []
+        for ids in selected:
+            cnt = np.bincount(np.unique(np.asarray(ids).ravel()) // per_shard, minlength=n_exp_dev)
+            fracs.append((cnt.max() / per_shard, cnt.mean() / per_shard))
     parts = {"experts": 0.0, "other_weights": 0.0, "head": 0.0, "engram_rows": 0.0}
     parts_mean_experts = 0.0
     for r in rows:
@@ -82,6 +89,7 @@ def step_bytes(rows, cfg, spec, B: int, C: int, draws: int = 2000, seed: int = 0
         if n.startswith("cache."):
             continue
         if ".ffn.experts." in n:
+            frac_max, frac_mean = fracs[int(n.split(".")[1])]
             parts["experts"] += r["bytes_per_device"] * frac_max
             parts_mean_experts += r["bytes_per_device"] * frac_mean
         elif ".engram.embed." in n:
@@ -101,6 +109,21 @@ def step_bytes(rows, cfg, spec, B: int, C: int, draws: int = 2000, seed: int = 0
     total_max = sum(parts.values())
     total_mean = total_max - parts["experts"] + parts_mean_experts
     return total_max, total_mean, parts
+
+
+# session 3's fit of the one-GPU slice (run 9): bytes stream at the JAX-measured copy bandwidth,
+# plus a fixed cost per layer; one small all-reduce per split per layer
+FIT = dict(copy_tb_s=2.58, fraction=1.0, layer_overhead_us=140.0, collective_us=20.0)
+
+
+def step_time(max_device_bytes: float, spec, n_layers: int, copy_tb_s: float, fraction: float,
+              layer_overhead_us: float, collective_us: float) -> tuple[float, float]:
+    """(bytes seconds, fixed seconds) of one decode step in the model above. Collectives per
+    layer: the MoE combine (psum over expert/tensor), the attention output and the indexer
+    scores (psum over tensor) when split."""
+    n_coll = (1 if spec[1] > 1 or spec[2] > 1 else 0) + (2 if spec[2] > 1 else 0)
+    return (max_device_bytes / (copy_tb_s * 1e12 * fraction),
+            n_layers * (layer_overhead_us + n_coll * collective_us) * 1e-6)
 
 
 def main():
@@ -138,11 +161,7 @@ def main():
         for B in (int(b) for b in a.batches.split(",")):
             frac = a.fraction if (B == 1 or a.fraction_64 is None) else a.fraction_64
             mx, mean, parts = step_bytes(rows, cfg, spec, B, a.ctx)
-            # collectives per layer: MoE combine (psum over expert/tensor), attention output
-            # (psum over tensor) and the indexer scores (psum over tensor) when split
-            n_coll = (1 if spec[1] > 1 or spec[2] > 1 else 0) + (2 if spec[2] > 1 else 0)
-            t_bytes = mx / (a.copy_tb_s * 1e12 * frac)
-            t_fixed = L * (a.layer_overhead_us + n_coll * a.collective_us) * 1e-6
+            t_bytes, t_fixed = step_time(mx, spec, L, a.copy_tb_s, frac, a.layer_overhead_us, a.collective_us)
             step = t_bytes + t_fixed
             row = dict(mesh=spec, batch=B, experts=a.experts, dense=a.dense, resident_gb_per_device=resident / 1e9,
                        step_bytes_max_device_gb=mx / 1e9, step_bytes_mean_device_gb=mean / 1e9,
