@@ -1,0 +1,207 @@
+"""Which pieces run on a multi-GPU mesh: each case in its own process (a CUDA fault is sticky and
+would poison the cases after it), one JSON line per case with ok / the error.
+
+Cases: an all-reduce inside shard_map; a resharding device_put; the Pallas Sinkhorn in an
+auto-partitioned jit; the grouped qmatmul (Triton) inside shard_map on local expert shards and in
+an auto-partitioned jit with the weight split over "tensor"; then the small sharded model
+(``bench_sharded.py --small``) under kernel settings (XLA only, default, default without the
+Pallas Sinkhorn, default without the Pallas MoE).
+
+    python3 benchmarks/check_multi_gpu.py                 # all cases
+    python3 benchmarks/check_multi_gpu.py --case psum     # one case, in this process
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+
+IMPL = os.environ.get("CHECK_KERNEL_IMPL", "triton")  # "interpret": the same cases on CPU
+UNIT = ("psum", "reshard", "sinkhorn_spmd", "qmatmul_shard_map", "qmatmul_spmd")
+MODEL = {  # name -> environment of the small sharded model run
+    "model_xla": {"DSV41_KERNELS": "xla"},
+    "model_default": {},
+    "model_no_pallas_sinkhorn": {"DSV41_SINKHORN": "xla"},
+    "model_no_pallas_moe": {"DSV41_MOE_PATH": "grouped"},
+}
+
+
+def _mesh(axis: str):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[:2]), (axis,))
+
+
+def case_psum():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from dsv41_jax.model.moe_ep import shard_map
+
+    mesh = _mesh("expert")
+    f = shard_map(lambda x: jax.lax.psum(x, "expert"), mesh=mesh, in_specs=P("expert"), out_specs=P())
+    y = jax.jit(f)(jnp.arange(8.0).reshape(2, 4))
+    return dict(value=y.tolist(), ok=bool(jnp.allclose(y, jnp.array([[4.0, 6.0, 8.0, 10.0]]))))
+
+
+def case_reshard():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh("expert")
+    x = jnp.ones((1 << 14, 1 << 14), jnp.bfloat16)  # 512 MiB on device 0
+    y = jax.device_put(x, NamedSharding(mesh, P("expert")))
+    s = jax.jit(lambda a: jnp.sum(a.astype(jnp.float32)))(y)
+    return dict(ok=float(s) == float(x.size))
+
+
+def case_sinkhorn_spmd():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from dsv41_jax.kernels.sinkhorn import sinkhorn, sinkhorn_reference
+
+    mesh = _mesh("tensor")
+    x = jax.device_put(3.0 * jax.random.normal(jax.random.key(0), (64, 16)), NamedSharding(mesh, P()))
+    w = jax.device_put(jnp.ones((16, 256)), NamedSharding(mesh, P(None, "tensor")))
+    got = jax.jit(lambda a, b: sinkhorn(a, 20, 1e-6, IMPL).reshape(64, 16) @ b)(x, w)
+    want = jax.jit(lambda a, b: sinkhorn_reference(a, 20, 1e-6).reshape(64, 16) @ b)(x, w)
+    err = float(jnp.max(jnp.abs(got - want)))
+    return dict(ok=err < 1e-4, max_abs_err=err)
+
+
+def _codes(G, O, K):
+    import jax
+    import jax.numpy as jnp
+
+    k1, k2 = jax.random.split(jax.random.key(1))
+    codes = jax.random.randint(k1, (G, O, K), -12, 13).astype(jnp.int8)
+    scale = jax.random.randint(k2, (G, O, K // 32), 118, 126).astype(jnp.uint8)
+    return codes, scale
+
+
+def case_qmatmul_shard_map():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from dsv41_jax.kernels import qmatmul as Q
+    from dsv41_jax.model.moe_ep import shard_map
+
+    mesh = _mesh("expert")
+    G, O, K = 16, 512, 1024
+    codes, scale = _codes(G, O, K)
+    codes = jax.device_put(codes, NamedSharding(mesh, P("expert")))
+    scale = jax.device_put(scale, NamedSharding(mesh, P("expert")))
+    out = {}
+    for bm, R in ((1, 12), (64, 512)):
+        x = jax.random.normal(jax.random.key(2), (R, K), jnp.float32).astype(jnp.bfloat16)
+        bg = (jnp.arange(R // bm, dtype=jnp.int32) * 5) % (G // 2)  # local group ids
+
+        def body(x, bg, c, s, impl):
+            return Q.grouped_qmatmul(x, bg, bg.shape[0], c, s, bm=bm, out_dtype=jnp.float32, impl=impl)[None]
+
+        res = {}
+        for impl in (IMPL, "xla"):
+            f = shard_map(lambda x, bg, c, s: body(x, bg, c, s, impl), mesh=mesh,
+                          in_specs=(P(), P(), P("expert"), P("expert")), out_specs=P("expert"), check=False)
+            res[impl] = jax.jit(f)(x, bg, codes, scale)
+        err = float(jnp.max(jnp.abs(res[IMPL] - res["xla"])) / jnp.max(jnp.abs(res["xla"])))
+        out[f"bm{bm}"] = err
+    return dict(ok=max(out.values()) < 1e-5, rel_err=out)
+
+
+def case_qmatmul_spmd():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from dsv41_jax.kernels import qmatmul as Q
+
+    mesh = _mesh("tensor")
+    codes, scale = _codes(1, 1024, 1024)
+    codes = jax.device_put(codes[0].astype(jnp.float32).astype(jnp.float8_e4m3fn), NamedSharding(mesh, P("tensor")))
+    scale = jax.device_put(scale[0], NamedSharding(mesh, P("tensor")))
+    x = jax.random.normal(jax.random.key(2), (16, 1024), jnp.float32).astype(jnp.bfloat16)
+    bg = jnp.zeros((1,), jnp.int32)
+    res = {impl: jax.jit(lambda x, c, s: Q.grouped_qmatmul(x, bg, 1, c, s, bm=16, out_dtype=jnp.float32,
+                                                           impl=impl))(x, codes, scale)
+           for impl in (IMPL, "xla")}
+    err = float(jnp.max(jnp.abs(res[IMPL] - res["xla"])) / jnp.max(jnp.abs(res["xla"])))
+    return dict(ok=err < 1e-5, rel_err=err)
+
+
+def run_case(name: str) -> dict:
+    t0 = time.time()
+    try:
+        res = globals()["case_" + name]()
+    except Exception as e:
+        res = dict(ok=False, error=f"{type(e).__name__}: {str(e)[:600]}")
+    return dict(case=name, seconds=round(time.time() - t0, 1), **res)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="")
+    ap.add_argument("--model-meshes", default="1,2,1;1,1,2")
+    ap.add_argument("--models", default=",".join(MODEL))
+    ap.add_argument("--timeout", type=int, default=150)
+    a = ap.parse_args()
+    if a.case:
+        print("RESULT " + json.dumps(run_case(a.case)), flush=True)
+        return
+    out = os.environ.get("OUT")
+    rows = []
+
+    def record(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if out:
+            with open(os.path.join(out, "check_multi_gpu.jsonl"), "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    for name in UNIT:
+        try:
+            p = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True,
+                               timeout=a.timeout)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            record(json.loads(line[0][7:]) if line else dict(case=name, ok=False, rc=p.returncode,
+                                                             error=(p.stderr or p.stdout)[-800:]))
+        except subprocess.TimeoutExpired:
+            record(dict(case=name, ok=False, error="timeout"))
+    for name in [m for m in a.models.split(",") if m]:
+        env = dict(os.environ, **MODEL[name])
+        env.pop("OUT", None)  # the model runs print their rows; only this file's summary goes to $OUT
+        t0 = time.time()
+        try:
+            p = subprocess.run([sys.executable, os.path.join(HERE, "bench_sharded.py"), "--small", "--meshes",
+                                a.model_meshes, "--prompt", "256", "--steps", "4", "--ctx", "512"],
+                               capture_output=True, text=True, timeout=a.timeout, env=env)
+            rows_m = [json.loads(ln) for ln in p.stdout.splitlines() if ln.startswith("{")]
+            sh = [r for r in rows_m if r.get("what") == "sharded"]
+            ok = bool(sh) and all("error" not in r and r.get("tokens_equal") for r in sh)
+            record(dict(case=name, ok=ok, seconds=round(time.time() - t0, 1), rc=p.returncode,
+                        sharded=[{k: r.get(k) for k in ("mesh", "error", "tokens_equal", "prefill_rel_err",
+                                                         "decode_rel_err")} for r in sh],
+                        stderr_tail=None if ok else p.stderr[-600:]))
+        except subprocess.TimeoutExpired:
+            record(dict(case=name, ok=False, error="timeout"))
+
+
+if __name__ == "__main__":
+    main()
