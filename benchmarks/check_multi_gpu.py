@@ -19,11 +19,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 IMPL = os.environ.get("CHECK_KERNEL_IMPL", "triton")  # "interpret": the same cases on CPU
-UNIT = ("psum", "reshard", "sinkhorn_spmd", "qmatmul_shard_map", "qmatmul_spmd")
+UNIT = ("psum", "reshard", "sinkhorn_spmd", "qmatmul_shard_map", "qmatmul_spmd", "moe_full", "offsets_overflow")
 MODEL = {  # name -> environment of the small sharded model run
     "model_xla": {"DSV41_KERNELS": "xla"},
     "model_default": {},
@@ -146,6 +149,63 @@ def case_qmatmul_spmd():
     return dict(ok=err < 1e-5, rel_err=err)
 
 
+def case_moe_full():
+    """One V4.1-width MoE layer (384 int8 experts): unsharded vs expert-parallel over 2 devices
+    (mesh 1,2,1) for a prefill (512 tokens: the grouped path) and a decode token (gather), under
+    the default kernel choice and with the XLA grouped MoE forced."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import bench_slice as bs
+    from dsv41_jax import sharding as shd
+    from dsv41_jax.numerics import Numerics
+
+    cfg = bs.slice_config(1, os.environ.get("CHECK_SMALL") == "1", 1_000_000)  # small: CPU test of the case
+    model = bs.random_model(cfg, Numerics("bfloat16", "reference"), experts_int8=True)
+    bs.mark_release_quantized(model)
+    ffn = model.layers[0].ffn
+    mesh = shd.make_mesh(1, 2, 1)
+    sharded = shd.shard_model(nnx.clone(model), mesh).layers[0].ffn
+    out = {}
+    for T in (512, 1):
+        x = (jax.random.normal(jax.random.key(T), (1, T, cfg.text.hidden_size), jnp.float32)).astype(jnp.bfloat16)
+        for forced in ("auto", "grouped"):
+            os.environ["DSV41_MOE_PATH"] = forced
+            want = np.asarray(jax.jit(lambda m, v: m(v))(ffn, x), np.float32)
+            with shd.use_mesh(mesh):
+                got = np.asarray(jax.jit(lambda m, v: m(v))(sharded, x), np.float32)
+            out[f"T{T}_{forced}"] = float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+    os.environ["DSV41_MOE_PATH"] = "auto"
+    return dict(ok=max(out.values()) < 2e-2, rel_err=out)
+
+
+def case_offsets_overflow():
+    """One GPU: the kernel (guard bypassed) on int8 codes [192, 2304, 5120] (2.26 GB, the range
+    ``qmatmul.offsets_fit`` rejects), reading group 191 (offsets past 2**31) and group 0. ``ok``
+    means the guard is needed: the result is wrong or the launch faults."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.kernels import qmatmul as Q
+
+    G, O, K = 192, 2304, 5120
+    k1, k2, k3 = jax.random.split(jax.random.key(3), 3)
+    codes = jax.jit(lambda k: jax.random.randint(k, (G, O, K), -12, 13, jnp.int8))(k1)
+    scale = jax.random.randint(k2, (G, O, K // 32), 118, 126).astype(jnp.uint8)
+    x = jax.random.normal(k3, (2, K), jnp.float32).astype(jnp.bfloat16)
+    bg = jnp.array([G - 1, 0], jnp.int32)
+    want = np.asarray(Q.grouped_qmatmul_reference(x, bg, 2, codes, scale, bm=1, out_dtype=jnp.float32))
+    cfg = Q.choose_config(1, O, K, True, nb=2)
+    try:
+        got = np.asarray(Q._pallas(x, bg, 2, codes, scale, bm=1, out_dtype=jnp.float32, mult=Q.default_mult(codes.dtype),
+                                   cfg=cfg, interpret=False))
+    except Exception as e:
+        return dict(ok=True, kernel_error=f"{type(e).__name__}: {str(e)[:300]}")
+    err = [float(np.max(np.abs(got[i] - want[i])) / max(np.max(np.abs(want[i])), 1e-30)) for i in range(2)]
+    return dict(ok=err[0] > 1e-3, rel_err_group_191=err[0], rel_err_group_0=err[1])
+
+
 def run_case(name: str) -> dict:
     t0 = time.time()
     try:
@@ -158,6 +218,7 @@ def run_case(name: str) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--case", default="")
+    ap.add_argument("--cases", default=",".join(UNIT))
     ap.add_argument("--model-meshes", default="1,2,1;1,1,2")
     ap.add_argument("--models", default=",".join(MODEL))
     ap.add_argument("--timeout", type=int, default=150)
@@ -175,7 +236,7 @@ def main():
             with open(os.path.join(out, "check_multi_gpu.jsonl"), "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    for name in UNIT:
+    for name in [c for c in a.cases.split(",") if c]:
         try:
             p = subprocess.run([sys.executable, __file__, "--case", name], capture_output=True, text=True,
                                timeout=a.timeout)

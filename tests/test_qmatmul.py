@@ -254,3 +254,39 @@ def test_kernels_default_by_device(monkeypatch):
         monkeypatch.setenv("DSV41_KERNELS", "xla")
         assert not use_pallas()
         monkeypatch.delenv("DSV41_KERNELS")
+
+
+def test_offsets_guard_for_the_triton_lowering():
+    """An operand of more than 2**31 elements but <= 2**32 bytes is misaddressed by the Triton lowering
+    (32-bit signed offsets): one device's half of the V4.1 int8 experts on a 2-way expert mesh.
+    ``offsets_fit`` flags exactly that range; an explicit ``impl="triton"`` call refuses it with a
+    clear error (auto falls back to XLA), checked abstractly (no memory)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dsv41_jax.kernels import grouped_qmatmul, offsets_fit
+
+    assert not offsets_fit((192, 2304, 5120), jnp.int8)      # 2.26 GB: the broken range
+    assert offsets_fit((384, 2304, 5120), jnp.int8)          # 4.5 GB: 64-bit offsets
+    assert offsets_fit((48, 2304, 5120), jnp.int8)           # 0.57 GB: 32-bit offsets suffice
+    assert offsets_fit((1 << 30, 2), jnp.bfloat16)           # 2**31 elements: largest offset 2**31 - 1
+    assert offsets_fit((1 << 31,), jnp.uint8)
+    assert not offsets_fit(((1 << 31) + 32,), jnp.uint8)
+    codes = jax.ShapeDtypeStruct((192, 2304, 5120), jnp.int8)
+    scale = jax.ShapeDtypeStruct((192, 2304, 160), jnp.uint8)
+    x = jax.ShapeDtypeStruct((4, 5120), jnp.bfloat16)
+    bg = jax.ShapeDtypeStruct((4,), jnp.int32)
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        jax.eval_shape(lambda x, bg, c, s: grouped_qmatmul(x, bg, 4, c, s, bm=1, impl="triton"), x, bg, codes, scale)
+    out = jax.eval_shape(lambda x, bg, c, s: grouped_qmatmul(x, bg, 4, c, s, bm=1), x, bg, codes, scale)
+    assert out.shape == (4, 2304)
+
+
+def test_auto_sharded_outside_and_inside_shard_map():
+    """``kernels.auto_sharded``: False with no mesh or a one-device mesh (the kernels run)."""
+    from dsv41_jax import sharding as shd
+    from dsv41_jax.kernels import auto_sharded
+
+    assert not auto_sharded()
+    with shd.use_mesh(shd.make_mesh(1, 1, 1)):
+        assert not auto_sharded()

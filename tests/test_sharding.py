@@ -214,12 +214,13 @@ def _child_moe(out: dict):
     from dsv41_jax.numerics import Numerics
 
     rng = np.random.default_rng(0)
-    # (compute dtype, mode, experts, tokens, meshes). 8 experts: T=2 is the decode path (only the
+    # (compute dtype, mode, experts, tokens, meshes). Every multi-device mesh runs the routed
+    # experts in shard_map, "tensor"-only and "data"-only ones included. 8 experts: T=2 is the decode path (only the
     # selected local experts' weights), T=24 dense over local experts; 64 experts, T=48: the
     # unsharded grouped matmul on the local experts (fp32 with the intermediate split; bf16
     # without), or dense (bf16 with the split, where the "tensor" psum precedes the rounding).
     cases = (
-        ("float32", "fast", 8, (2, 24), ((1, 2, 2), (2, 4, 1), (1, 4, 2))),
+        ("float32", "fast", 8, (2, 24), ((1, 2, 2), (2, 4, 1), (1, 4, 2), (1, 1, 2), (2, 1, 1))),
         ("float32", "reference", 8, (2, 24), ((1, 4, 2),)),  # fake-quant blocks of h, split intermediate
         ("bfloat16", "reference", 8, (2, 24), ((1, 2, 2),)),
         ("float32", "fast", 64, (48,), ((1, 2, 2),)),
@@ -229,7 +230,7 @@ def _child_moe(out: dict):
     # dequantizes what it reads): decode gather, local dense with the intermediate split, grouped
     cases = tuple((*c, False) for c in cases) + (
         ("float32", "fast", 8, (2, 24), ((1, 2, 2), (1, 4, 2)), True),
-        ("bfloat16", "reference", 64, (48,), ((1, 2, 2),), True),
+        ("bfloat16", "reference", 64, (48,), ((1, 2, 2), (1, 1, 2)), True),
     )
     for cdt, mode, E, Ts, meshes, int8 in cases:
         num, quantized = Numerics(cdt, mode), mode == "reference"

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 
 import jax
@@ -377,6 +378,19 @@ def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg:
     return y
 
 
+def offsets_fit(shape, dtype) -> bool:
+    """Whether the Triton lowering addresses an operand of ``shape`` / ``dtype`` correctly.
+
+    JAX's Pallas Triton lowering indexes an operand with 32-bit element offsets unless the
+    operand is larger than 2**32 bytes, and Triton adds those offsets to the base pointer as
+    signed numbers: an operand of more than 2**31 elements but at most 2**32 bytes is addressed
+    wrongly past element 2**31 (an illegal memory access). That is the case of one device's
+    half of the V4.1 routed experts on a 2-way expert mesh (192 x 2304 x 5120 int8 = 2.26 GB);
+    the whole stack (4.5 GB: 64-bit offsets) and smaller shards are fine."""
+    n = math.prod(int(d) for d in shape)
+    return not (n > 2**31 and n * jnp.dtype(dtype).itemsize <= 2**32)  # largest offset n - 1 >= 2**31
+
+
 def kernel_impl(impl: str = "auto") -> str:
     """Resolve ``impl``: ``auto`` -> ``DSV41_QMATMUL_IMPL`` if set, else triton on GPU, xla elsewhere."""
     if impl == "auto":
@@ -401,7 +415,12 @@ def grouped_qmatmul(x, block_group, n_blocks, codes, scale=None, *, bm: int, out
     R, K, G, O = _check(x, block_group, codes, scale, bm)
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     mult = default_mult(codes.dtype) if mult is None else float(mult)
-    impl = kernel_impl(impl)
+    requested, impl = impl, kernel_impl(impl)
+    if impl == "triton" and not (offsets_fit(codes.shape, codes.dtype) and offsets_fit(x.shape, x.dtype)):
+        if requested == "triton":
+            raise ValueError(f"grouped_qmatmul: weights {codes.shape} {codes.dtype} fall in the range the Triton "
+                             "lowering addresses with overflowing 32-bit offsets (see offsets_fit)")
+        impl = "xla"
     if impl == "xla":
         return grouped_qmatmul_reference(x, block_group, n_blocks, codes, scale, bm=bm,
                                          out_dtype=out_dtype, mult=mult)

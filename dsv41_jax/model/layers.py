@@ -59,10 +59,11 @@ FP8_EXACT_SCALES = (10, 246)
 
 def _use_kernel() -> bool:
     """fp8 Linears run the fused dequant-GEMM kernel where ``dsv41_jax.kernels.use_pallas`` says
-    (``DSV41_KERNELS``; by default on Hopper-class GPUs)."""
-    from dsv41_jax.kernels import use_pallas
+    (``DSV41_KERNELS``; by default on Hopper-class GPUs), except under an auto-partitioned mesh
+    (``kernels.auto_sharded``: a custom call would gather the sharded weight onto every device)."""
+    from dsv41_jax.kernels import auto_sharded, use_pallas
 
-    return use_pallas()
+    return use_pallas() and not auto_sharded()
 
 
 def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype):

@@ -311,9 +311,10 @@ class MoE(nnx.Module):
             if forced not in ("gather", "dense", "grouped", "ragged", "pallas"):
                 raise ValueError(f"DSV41_MOE_PATH={forced!r}: use auto, gather, dense, grouped, ragged or pallas")
             return forced
-        from dsv41_jax.kernels import use_pallas
+        from dsv41_jax.kernels import auto_sharded, offsets_fit, use_pallas
 
-        if self.n_experts > 16 and use_pallas():
+        w1 = self.experts.w1.weight
+        if self.n_experts > 16 and use_pallas() and not auto_sharded() and offsets_fit(w1.shape, w1.dtype):
             return "pallas"
         if T * k < self.n_experts:
             return "gather"
@@ -330,7 +331,7 @@ class MoE(nnx.Module):
             capture["moe_topk"] = ids.reshape(*shape[:-1], -1)
             capture["moe_weights"] = w.reshape(*shape[:-1], -1)
         T = xt.shape[0]
-        y = moe_ep.routed(self, xt, w, ids)  # expert parallel under a mesh with "expert" > 1, else None
+        y = moe_ep.routed(self, xt, w, ids)  # in shard_map under a multi-device mesh, else None
         if y is None:
             y = getattr(self, "routed_" + self._path(T, w.shape[-1]))(xt, w, ids)
         y = y + self.shared_experts(xt).astype(F32)

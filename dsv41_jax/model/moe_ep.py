@@ -1,8 +1,8 @@
 """Expert-parallel routed experts inside ``shard_map``.
 
-Used by ``MoE.__call__`` when the active mesh (``jax.set_mesh`` / ``sharding.use_mesh``) has an
-"expert" axis larger than 1. The router runs replicated outside (its fp32 logits and top-k are
-the unsharded ones); inside ``shard_map`` each device holds ``E / expert`` experts (their
+Used by ``MoE.__call__`` when the active mesh (``jax.set_mesh`` / ``sharding.use_mesh``) spans
+several devices (an "expert" axis larger than 1, or only "tensor" / "data"). The router runs
+replicated outside (its fp32 logits and top-k are the unsharded ones); inside ``shard_map`` each device holds ``E / expert`` experts (their
 intermediate dim split over "tensor" when it divides) and the tokens of its "data" shard:
 
 1. keep the route weights of the local experts (zero elsewhere),
@@ -76,9 +76,14 @@ def _manual(mesh, axis: str) -> bool:
 
 
 def expert_mesh():
-    """The active mesh when it has an "expert" axis > 1 (not already manual), else None."""
+    """The active mesh when it spans several devices (and no axis is already manual), else None.
+
+    Every multi-device mesh runs the routed experts here, also one without an "expert" axis:
+    on a "tensor"-only mesh each device computes its slice of every expert's intermediate dim,
+    on a "data"-only mesh its own tokens, with the kernels on local shards (left to XLA's
+    partitioner, a kernel call would gather the sharded expert weights onto every device)."""
     m = active_mesh()
-    if m is None or _sizes(m).get("expert", 1) <= 1 or _manual(m, "expert"):
+    if m is None or all(v <= 1 for v in _sizes(m).values()) or any(_manual(m, a) for a in _sizes(m)):
         return None
     return m
 
@@ -101,6 +106,10 @@ class _Local:
         @property
         def shape(self):
             return self.a.shape
+
+        @property
+        def dtype(self):
+            return self.a.dtype
 
     class _P:
         """One local projection: float weights, or int8 codes + ue8m0 scales (``scale`` given)."""
