@@ -26,7 +26,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 IMPL = os.environ.get("CHECK_KERNEL_IMPL", "triton")  # "interpret": the same cases on CPU
-UNIT = ("psum", "reshard", "sinkhorn_spmd", "qmatmul_shard_map", "qmatmul_spmd", "moe_full", "offsets_overflow")
+UNIT = ("psum", "reshard", "sinkhorn_spmd", "qmatmul_shard_map", "qmatmul_spmd", "moe_full", "offsets_overflow",
+        "slice_captures")
 MODEL = {  # name -> environment of the small sharded model run
     "model_xla": {"DSV41_KERNELS": "xla"},
     "model_default": {},
@@ -204,6 +205,71 @@ def case_offsets_overflow():
         return dict(ok=True, kernel_error=f"{type(e).__name__}: {str(e)[:300]}")
     err = [float(np.max(np.abs(got[i] - want[i])) / max(np.max(np.abs(want[i])), 1e-30)) for i in range(2)]
     return dict(ok=err[0] > 1e-3, rel_err_group_191=err[0], rel_err_group_0=err[1])
+
+
+def case_slice_captures():
+    """Where a sharded forward departs from one device: the 3-layer V4.1-width slice of
+    ``bench_sharded.py`` (int8 experts), one 512-token prefill with every intermediate captured,
+    on one device with the default kernels, on one device with XLA only, and on mesh (1,2,1);
+    relative errors per captured tensor in execution order (the first large one is the culprit)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import bench_slice as bs
+    from dsv41_jax import sharding as shd
+    from dsv41_jax.numerics import Numerics
+
+    small = os.environ.get("CHECK_SMALL") == "1"
+    cfg = bs.slice_config(3, small, 20_000_000 if not small else 100_000)
+    model = bs.random_model(cfg, Numerics("bfloat16", "reference"), experts_int8=True)
+    bs.mark_release_quantized(model)
+    S = 512 if not small else 64
+    ids = jax.random.randint(jax.random.key(7), (1, S), 0, cfg.text.vocab_size).astype(jnp.int32)
+
+    def captures(m, mesh=None):
+        graphdef, state = nnx.split(m)
+        cache = m.init_cache(1, S)
+        if mesh is not None:
+            cache = shd.shard_cache(cache, mesh)
+
+        def f(state, cache, ids):
+            cap = {}
+            lg, _ = nnx.merge(graphdef, state)(ids, positions=jnp.arange(S, dtype=jnp.int32)[None],
+                                               valid=jnp.ones((1, S), bool), cache=cache, capture=cap)
+            cap["logits"] = lg
+            return {k: v for k, v in cap.items() if hasattr(v, "dtype") and jnp.issubdtype(v.dtype, jnp.floating)}
+
+        if mesh is None:
+            return jax.device_get(jax.jit(f)(state, cache, ids))
+        with shd.use_mesh(mesh):
+            return jax.device_get(jax.jit(f)(state, cache, ids))
+
+    ref = captures(model)
+    os.environ["DSV41_KERNELS"] = "xla"
+    xla = captures(model)
+    os.environ.pop("DSV41_KERNELS")
+    mesh = shd.make_mesh(1, 2, 1)
+    sh = captures(shd.shard_model(nnx.clone(model), mesh), mesh)
+
+    def errs(a, b):
+        out = []
+        for k in b:
+            if k in a and np.shape(a[k]) == np.shape(b[k]):
+                x, y = np.asarray(a[k], np.float32), np.asarray(b[k], np.float32)
+                out.append((k, round(float(np.max(np.abs(x - y)) / max(np.max(np.abs(y)), 1e-30)), 5)))
+        return out
+
+    e_xla, e_sh = errs(xla, ref), errs(sh, ref)
+    # quantized intermediates (fp8 index keys, fake-quant KV) flip whole steps on bf16 noise:
+    # judge by the residual stream and the logits
+    def first(es):
+        return next((k for k, e in es if e > 0.05 and k.split("_L")[0] in ("block_in", "block_out", "logits")), None)
+
+    first_bad = first(e_sh)
+    return dict(ok=first_bad is None, first_bad_sharded_vs_default=first_bad,
+                first_bad_xla_vs_default=first(e_xla),
+                xla_vs_default=e_xla, sharded_vs_default=e_sh)
 
 
 def run_case(name: str) -> dict:
