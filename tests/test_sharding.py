@@ -149,7 +149,7 @@ def test_generate_on_a_mesh_equals_one_device():
     res = _run_child("generate")
     bad = {k: v for k, v in res.items() if not v["ok"]}
     assert not bad, bad
-    assert len(res) == len(GENERATE_MESHES)
+    assert len(res) == len(GENERATE_MESHES) + 1
 
 
 def test_mesh_from_spec_creates_simulated_devices_before_init():
@@ -359,6 +359,37 @@ def _child_verify(out: dict):
 GENERATE_MESHES = ((1, 8, 1), (2, 2, 2))
 
 
+def _check_auto_split(out: dict):
+    """Where the Pallas kernels may run: outside shard_map only where their weights are not
+    split (fp8 Linears: no "tensor" split), inside shard_map always (manual axes)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    from dsv41_jax import sharding as shd
+    from dsv41_jax.kernels import auto_split
+    from dsv41_jax.model.moe_ep import shard_map
+
+    seen = {"no mesh": auto_split()}
+    for spec in ((1, 8, 1), (1, 1, 8), (2, 2, 2)):
+        mesh = shd.make_mesh(*spec)
+        with shd.use_mesh(mesh):
+            seen[f"{spec} tensor"] = auto_split("tensor")
+            seen[f"{spec} any"] = auto_split()
+            inside = {}
+
+            def body(x):
+                inside["v"] = auto_split()
+                return x
+
+            jax.jit(shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))(jnp.zeros(4))
+            seen[f"{spec} in shard_map"] = inside["v"]
+    want = {"no mesh": False, "(1, 8, 1) tensor": False, "(1, 8, 1) any": True, "(1, 8, 1) in shard_map": False,
+            "(1, 1, 8) tensor": True, "(1, 1, 8) any": True, "(1, 1, 8) in shard_map": False,
+            "(2, 2, 2) tensor": True, "(2, 2, 2) any": True, "(2, 2, 2) in shard_map": False}
+    out["kernels.auto_split"] = dict(ok=seen == want, seen=seen)
+
+
 def _child_generate(out: dict, tmp: str):
     """The user path: ``load(..., mesh=)`` then ``generate`` / ``generate_stream`` with a text
     and an image prompt, against the same checkpoint on one device."""
@@ -370,6 +401,7 @@ def _child_generate(out: dict, tmp: str):
     from dsv41_jax.tiny import write_tiny_checkpoint
 
     jax.config.update("jax_default_matmul_precision", "highest")
+    _check_auto_split(out)
     d = os.path.join(tmp, "gen8")
     cfg = write_tiny_checkpoint(d, fmt="bf16", seed=6, config=MESH_CONFIG, vision=True)
     img = Image.fromarray(np.random.default_rng(3).integers(0, 255, (40, 56, 3), dtype=np.uint8))

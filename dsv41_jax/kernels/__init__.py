@@ -3,7 +3,7 @@ import os
 
 from dsv41_jax.kernels.qmatmul import dequantize, grouped_qmatmul, grouped_qmatmul_reference, kernel_impl, offsets_fit
 
-__all__ = ["auto_sharded", "dequantize", "grouped_qmatmul", "grouped_qmatmul_reference", "kernel_impl",
+__all__ = ["auto_sharded", "auto_split", "dequantize", "grouped_qmatmul", "grouped_qmatmul_reference", "kernel_impl",
            "offsets_fit", "use_pallas"]
 
 # GPUs the Triton kernels were measured on (compute capability >= 9.0: Hopper, H200 in
@@ -31,15 +31,23 @@ def use_pallas() -> bool:
     return cap >= _MIN_CAPABILITY
 
 
-def auto_sharded() -> bool:
-    """Whether the code being traced runs under an active multi-device mesh outside ``shard_map``
-    (XLA's SPMD partitioner places the ops). A Pallas kernel is a custom call the partitioner
-    cannot split: it would gather every operand, whole weights included, onto each device. So
-    there the weight GEMMs take their XLA paths (which it partitions), while inside
-    ``shard_map`` (manual axes: the expert-parallel MoE) the kernels run on the local shards."""
+def auto_split(*axes: str) -> bool:
+    """Whether the code being traced runs under an active mesh whose ``axes`` (default: all)
+    include one of several devices that ``shard_map`` has not made manual, i.e. where XLA's
+    SPMD partitioner places the ops. A Pallas kernel is a custom call the partitioner cannot
+    split: given an operand sharded over such an axis it gathers it whole onto every device.
+    So a weight GEMM keeps its kernel only where its weight is replicated: the fp8 Linears
+    (split over "tensor" only) under meshes without a "tensor" split, the routed experts inside
+    ``shard_map`` (manual axes: local shards)."""
     from dsv41_jax.model.moe_ep import _manual, active_mesh
 
     m = active_mesh()
     if m is None:
         return False
-    return any(int(n) > 1 and not _manual(m, str(a)) for a, n in dict(m.shape).items())
+    sizes = {str(a): int(n) for a, n in dict(m.shape).items()}
+    return any(n > 1 and not _manual(m, a) for a, n in sizes.items() if not axes or a in axes)
+
+
+def auto_sharded() -> bool:
+    """``auto_split()`` over every mesh axis."""
+    return auto_split()

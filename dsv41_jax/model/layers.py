@@ -59,11 +59,12 @@ FP8_EXACT_SCALES = (10, 246)
 
 def _use_kernel() -> bool:
     """fp8 Linears run the fused dequant-GEMM kernel where ``dsv41_jax.kernels.use_pallas`` says
-    (``DSV41_KERNELS``; by default on Hopper-class GPUs), except under an auto-partitioned mesh
-    (``kernels.auto_sharded``: a custom call would gather the sharded weight onto every device)."""
-    from dsv41_jax.kernels import auto_sharded, use_pallas
+    (``DSV41_KERNELS``; by default on Hopper-class GPUs), except under a mesh that splits them
+    over "tensor" (``kernels.auto_split``: the custom call would gather the weight onto every
+    device; XLA partitions the dequantizing matmul instead)."""
+    from dsv41_jax.kernels import auto_split, use_pallas
 
-    return use_pallas() and not auto_sharded()
+    return use_pallas() and not auto_split("tensor")
 
 
 def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype):

@@ -305,16 +305,18 @@ class MoE(nnx.Module):
         """Routed-expert implementation for T tokens: ``DSV41_MOE_PATH`` (gather, dense, grouped,
         ragged, pallas) overrides the choice by size; where ``kernels.use_pallas()`` (``DSV41_KERNELS``:
         by default on Hopper-class GPUs) the automatic choice is the Pallas kernels (both read at
-        trace time)."""
+        trace time), unless the expert weights are split by XLA's partitioner (outside
+        ``shard_map``) or too large for the kernel's 32-bit offsets (``kernels.offsets_fit``)."""
         forced = os.environ.get("DSV41_MOE_PATH", "auto")
         if forced != "auto":
             if forced not in ("gather", "dense", "grouped", "ragged", "pallas"):
                 raise ValueError(f"DSV41_MOE_PATH={forced!r}: use auto, gather, dense, grouped, ragged or pallas")
             return forced
-        from dsv41_jax.kernels import auto_sharded, offsets_fit, use_pallas
+        from dsv41_jax.kernels import auto_split, offsets_fit, use_pallas
 
         w1 = self.experts.w1.weight
-        if self.n_experts > 16 and use_pallas() and not auto_sharded() and offsets_fit(w1.shape, w1.dtype):
+        if (self.n_experts > 16 and use_pallas() and not auto_split("expert", "tensor")
+                and offsets_fit(w1.shape, w1.dtype)):
             return "pallas"
         if T * k < self.n_experts:
             return "gather"
