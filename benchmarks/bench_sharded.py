@@ -4,7 +4,8 @@ Builds the slice of ``bench_slice.py`` (random weights, one layer of each kind, 
 the first device, runs a prefill + greedy decode there as the reference, then places the SAME
 weights on each mesh (``sharding.shard_model``) and runs the same prompt under it: prefill logits,
 decode logits and tokens are compared with the one-device run, and the decode step is timed on
-both (with ``ctx`` tokens of context in the cache).
+both (with ``ctx`` tokens of context in the cache): ``decode_step_s`` per jitted call of one
+step (includes the host's per-call work), ``decode_token_s`` per token inside generate's loop.
 
     python benchmarks/bench_sharded.py --meshes "1,2,1;1,1,2" --experts int8     # 2 GPUs
     python benchmarks/bench_sharded.py --small --cpu-devices 2                   # CPU smoke test
@@ -104,6 +105,14 @@ def time_decode(model, B, ctx, mesh=None, iters=7):
     return float(np.median(ts))
 
 
+def time_token(model, cfg, B, ctx):
+    """Seconds per generated token inside generate's while_loop (bench_slice.bench_decode_loop:
+    one dispatch per request, the sharded model placed and run as generate runs it)."""
+    bs.bench_decode_loop(model, cfg, [B], ctx, n_tokens=32)
+    row = bs.RESULTS[-1]
+    return row.get("seconds_per_step", float("nan"))
+
+
 def rel(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
@@ -121,8 +130,9 @@ def main():
         ids = jax.random.randint(jax.random.key(7), (a.batch, a.prompt), 0, cfg.text.vocab_size).astype(jnp.int32)
         ref_pre, ref_dec, ref_tok = greedy(model, ids, a.steps)
         t1 = time_decode(model, a.batch, a.ctx)
-    emit(what="single_device", batch=a.batch, prompt=a.prompt, decode_step_s=t1, tokens=ref_tok.tolist(),
-         param_gb=bs.param_bytes(model) / 1e9)
+        k1 = time_token(model, cfg, a.batch, a.ctx)
+    emit(what="single_device", batch=a.batch, prompt=a.prompt, decode_step_s=t1, decode_token_s=k1,
+         tokens=ref_tok.tolist(), param_gb=bs.param_bytes(model) / 1e9)
     scale = float(np.max(np.abs(ref_pre)))
     for ms in a.meshes.split(";"):
         spec = shd.parse_mesh_spec(ms)
@@ -133,10 +143,11 @@ def main():
             with shd.use_mesh(mesh):
                 pre, dec, tok = greedy(model, ids, a.steps, mesh)
                 ts = time_decode(model, a.batch, a.ctx, mesh)
+            ks = time_token(model, cfg, a.batch, a.ctx)  # placed under the mesh by generate's machinery
             # bf16 compute: the sharded sums run in another order, so logits differ by accumulation
             # rounding; report the error in units of the reference logits' max and the token match
             emit(what="sharded", mesh=spec, batch=a.batch, prompt=a.prompt, decode_step_s=ts,
-                 speedup_vs_single=t1 / ts, prefill_rel_err=rel(pre, ref_pre), decode_rel_err=rel(dec, ref_dec),
+                 speedup_vs_single=t1 / ts, decode_token_s=ks, token_speedup_vs_single=k1 / ks, prefill_rel_err=rel(pre, ref_pre), decode_rel_err=rel(dec, ref_dec),
                  max_abs_err=float(max(np.max(np.abs(pre - ref_pre)), np.max(np.abs(dec - ref_dec)))),
                  logit_scale=scale, tokens_equal=bool(np.array_equal(tok, ref_tok)),
                  first_token_mismatch=int(np.argmax(np.any(tok != ref_tok, 0))) if not np.array_equal(tok, ref_tok) else -1,
