@@ -218,7 +218,7 @@ def main():
     rows = shd.shardings_table(model, MESH)
     emit(what="load", layers=n_layers, real_layer_ids=keep, mesh=list(spec), seconds=load_s,
          param_gb=sum(r["bytes"] for r in rows) / 1e9,
-         param_gb_per_device_by_rules=max(sum(r["bytes_per_device"] for r in rows) / 1e9, 0),
+         param_gb_per_device_by_rules=sum(r["bytes_per_device"] for r in rows) / 1e9,
          engram_rows=list(cfg.text.engram_num_embeddings), memory=memory(MESH.devices.flat),
          replicated_over_64mb=[r["name"] for r in rows if r["spec"] == "replicated" and r["bytes"] > 64 * 2**20][:8])
     # the image prompt first: short, and it must not be the part a time limit cuts (run 12b)
