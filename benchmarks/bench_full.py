@@ -57,7 +57,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -121,31 +120,17 @@ def memory(devs) -> dict:
 
 
 def selected_experts(model, cfg, B: int, ctx: int) -> list | None:
-    """The expert ids each layer's router picks for a batch-B decode step of random tokens at
-    ``ctx`` (one jitted forward; the random router concentrates its picks, so the byte roofline
-    uses these, not uniform draws), or None when they cannot be captured (uniform fallback)."""
+    """``bench_slice.routed_ids`` (the router's picks for the decode inputs), or None when they
+    cannot be captured (the roofline then uses uniform draws)."""
     try:
-        graphdef, state = nnx.split(model)
-        L = cfg.text.num_hidden_layers
-
-        def routed(state, cache, ids):
-            cap = {}
-            nnx.merge(graphdef, state)(ids, positions=jnp.full((B, 1), ctx, jnp.int32), valid=jnp.ones((B, 1), bool),
-                                       cache=cache, capture=cap)
-            return [cap[f"moe_topk_L{l}"] for l in range(L)]
-
-        cache = shd.shard_cache(model.init_cache(B, ctx + 64), MESH)
-        cache = dict(cache, length=jnp.full((B,), ctx, jnp.int32))
-        ids = jax.random.randint(jax.random.key(11 + B), (B, 1), 0, cfg.text.vocab_size).astype(jnp.int32)
-        with shd.use_mesh(MESH):
-            return [np.asarray(x) for x in jax.jit(routed)(state, cache, ids)]
+        return bs.routed_ids(model, cfg, B, ctx)
     except Exception as e:  # report, fall back to uniform routing
         emit(what="selected_experts", batch=B, error=f"{type(e).__name__}: {str(e)[:300]}")
         return None
 
 
-def roofline_fn(model, cfg, spec, ctx, copy_tb_s):
-    rows = shd.shardings_table(model, MESH)
+def roofline_fn(model, cfg, mesh, spec, ctx, copy_tb_s):
+    rows = shd.shardings_table(model, mesh)
     L = cfg.text.num_hidden_layers
 
     def fields(B, per):
@@ -188,7 +173,6 @@ def image_generation(model, cfg, numerics, side: int, new_tokens: int):
 
 
 def main():
-    global MESH
     a = ARGS
     jax.config.update("jax_default_matmul_precision", "default")
     spec = shd.parse_mesh_spec(a.mesh)
@@ -202,7 +186,7 @@ def main():
     copy_tb_s = mm = None
     if "ceil" not in skip and jax.default_backend() == "gpu":
         copy_tb_s, mm = bs.ceilings()
-    MESH = shd.make_mesh(*spec)
+    mesh = shd.make_mesh(*spec)
     cfg, keep = full_config(n_layers, a.small, frac)
     numerics = Numerics("bfloat16", "reference")
     from dsv41_jax.model.lm import DeepseekV41
@@ -211,15 +195,15 @@ def main():
     t0 = time.perf_counter()
     kw = dict(experts_int8=True,
               dense_fp8=release_fp8_linears(nnx.eval_shape(lambda: DeepseekV41(cfg, numerics, engram_quantized=True))))
-    model = bs.random_model(cfg, numerics, mesh=MESH, **kw)
+    model = bs.random_model(cfg, numerics, mesh=mesh, **kw)
     bs.mark_release_quantized(model)
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
-    rows = shd.shardings_table(model, MESH)
+    rows = shd.shardings_table(model, mesh)
     emit(what="load", layers=n_layers, real_layer_ids=keep, mesh=list(spec), seconds=load_s,
          param_gb=sum(r["bytes"] for r in rows) / 1e9,
          param_gb_per_device_by_rules=sum(r["bytes_per_device"] for r in rows) / 1e9,
-         engram_rows=list(cfg.text.engram_num_embeddings), memory=memory(MESH.devices.flat),
+         engram_rows=list(cfg.text.engram_num_embeddings), memory=memory(mesh.devices.flat),
          replicated_over_64mb=[r["name"] for r in rows if r["spec"] == "replicated" and r["bytes"] > 64 * 2**20][:8])
     # the image prompt first: short, and it must not be the part a time limit cuts (run 12b)
     if "image" not in skip and a.image_side:
@@ -229,14 +213,12 @@ def main():
             emit(what="image_generation", error=f"{type(e).__name__}: {str(e)[:400]}")
     if "prefill" not in skip:
         bs.bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",") if s], mm)
-        emit(what="memory_after_prefill", memory=memory(MESH.devices.flat))
+        emit(what="memory_after_prefill", memory=memory(mesh.devices.flat))
     if "decode" not in skip:
         bs.bench_decode_loop(model, cfg, [int(b) for b in a.batches.split(",") if b], a.ctx, a.loop_tokens,
-                             roofline=roofline_fn(model, cfg, spec, a.ctx, copy_tb_s))
-        emit(what="memory_after_decode", memory=memory(MESH.devices.flat))
+                             roofline=roofline_fn(model, cfg, mesh, spec, a.ctx, copy_tb_s))
+        emit(what="memory_after_decode", memory=memory(mesh.devices.flat))
 
-
-MESH = None
 
 if __name__ == "__main__":
     main()

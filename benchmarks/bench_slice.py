@@ -234,17 +234,35 @@ def _leaves_by_path(model):
     return out
 
 
-def measured_distinct(model, cfg, B: int, ctx: int, seed: int = 11) -> list:
-    """Distinct routed experts per layer that one decode step of B random tokens (the benchmark's
-    inputs, cache at ``ctx``) actually selects: with random weights the router need not spread
-    tokens uniformly, so the byte roofline uses these counts, not the uniform expectation."""
-    t = cfg.text
+def routed_ids(model, cfg, B: int, ctx: int, seed: int = 11) -> list:
+    """The expert ids each layer's router picks in one decode step of B random tokens at ``ctx``
+    (the benchmark's inputs; one jitted forward, under the model's mesh when it is sharded):
+    with random weights the router need not spread tokens uniformly, so the byte roofline uses
+    these picks, not the uniform expectation."""
+    from dsv41_jax import sharding as shd
+
+    graphdef, state = nnx.split(model)
+    L = cfg.text.num_hidden_layers
+
+    def routed(state, cache, ids):
+        cap = {}
+        nnx.merge(graphdef, state)(ids, positions=jnp.full((B, 1), ctx, jnp.int32), valid=jnp.ones((B, 1), bool),
+                                   cache=cache, capture=cap)
+        return [cap[f"moe_topk_L{l}"] for l in range(L)]
+
     cache = model.init_cache(B, ctx + 64)
     cache = dict(cache, length=jnp.full((B,), ctx, jnp.int32))
-    ids = jax.random.randint(jax.random.key(seed + B), (B, 1), 0, t.vocab_size).astype(jnp.int32)
-    cap = {}
-    model(ids, positions=jnp.full((B, 1), ctx, jnp.int32), valid=jnp.ones((B, 1), bool), cache=cache, capture=cap)
-    return [int(np.unique(np.asarray(cap[f"moe_topk_L{l}"])).size) for l in range(t.num_hidden_layers)]
+    ids = jax.random.randint(jax.random.key(seed + B), (B, 1), 0, cfg.text.vocab_size).astype(jnp.int32)
+    mesh = shd.mesh_of(jax.tree_util.tree_leaves(state))
+    if mesh is None:
+        return [np.asarray(x) for x in jax.jit(routed)(state, cache, ids)]
+    with shd.use_mesh(mesh):
+        return [np.asarray(x) for x in jax.jit(routed)(state, shd.shard_cache(cache, mesh), ids)]
+
+
+def measured_distinct(model, cfg, B: int, ctx: int) -> list:
+    """Distinct routed experts per layer that one decode step of the benchmark selects."""
+    return [int(np.unique(ids).size) for ids in routed_ids(model, cfg, B, ctx)]
 
 
 def decode_bytes(model, cfg, B: int, ctx: int, distinct_per_layer=None) -> dict:
@@ -708,10 +726,7 @@ def main():
         os.environ["DSV41_KERNELS"] = other
         if "decode" not in skip:
             bench_decode(model, cfg, batches, a.ctx, copy_tb_s=copy_tb_s)
-        if "prefill" not in skip:
-            from dsv41_jax.generate import _prefill_jit
-
-            _prefill_jit.cache_clear()  # the jitted prefill is cached per graph: retrace under the new setting
+        if "prefill" not in skip:  # bench_prefill compiles afresh (clear_compiled): traced under the new setting
             bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
     if "engram_host" not in skip and "decode" not in skip:
         from dsv41_jax.model.engram import offload_engram_tables

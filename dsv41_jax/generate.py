@@ -33,7 +33,7 @@ from flax import nnx
 
 from dsv41_jax.buckets import DEFAULT_BUCKETS, Buckets, check_prompts, pad_prompts, round_up
 from dsv41_jax.sampling import SamplingParams, sample
-from dsv41_jax.sharding import mesh_of
+from dsv41_jax import sharding as shd
 
 F32 = jnp.float32
 FINISH_REASONS = {1: "stop", 2: "length"}
@@ -170,17 +170,16 @@ def _decode_loop(graphdef, state, ds: DecodeState, params, stop_mask, banned, ma
                                                       stop_mask=stop_mask, banned=banned, max_new=max_new), ds)
 
 
-@functools.lru_cache(maxsize=None)
-def _prefill_jit(graphdef):
-    return jax.jit(functools.partial(_prefill_chunk, graphdef), donate_argnums=(1, 8))
+# the generation functions and their donated arguments (the cache; prefill's pending logits too)
+_FUNCTIONS = {"prefill": _prefill_chunk, "decode_loop": _decode_loop}
+_DONATE = {"prefill": (1, 8), "decode_loop": (1,)}
 
 
-@functools.lru_cache(maxsize=None)
-def _loop_jit(graphdef):
-    return jax.jit(functools.partial(_decode_loop, graphdef), donate_argnums=(1,))
+def _generation_jit(kind: str, graphdef, out_shardings=None):
+    return jax.jit(functools.partial(_FUNCTIONS[kind], graphdef), donate_argnums=_DONATE[kind],
+                   out_shardings=out_shardings)
 
 
-_FACTORIES = {"prefill": _prefill_jit, "decode_loop": _loop_jit}
 _EXECUTABLES: dict = {}
 _STATS = {"compiles": 0, "compile_s": 0.0}
 
@@ -189,18 +188,12 @@ def _aval_key(x):
     return tuple(x.shape), str(jnp.dtype(x.dtype)), bool(getattr(x, "weak_type", False))
 
 
-_DONATE = {"prefill": (1, 8), "decode_loop": (1,)}
-_FUNCTIONS = {"prefill": _prefill_chunk, "decode_loop": _decode_loop}
-
-
 def _arg_shardings(mesh, kind: str, args: tuple):
     """Shardings of a generation executable's arguments after the state, on ``mesh``: caches by
     the partition rules, per-row arrays with their batch on "data" (replicated when it does not
     divide), the rest (scalars, vocabulary masks, the PRNG key) replicated."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
-
-    from dsv41_jax import sharding as shd
 
     def row(x):
         return None if x is None else NamedSharding(mesh, shd.batch_spec(mesh, x.shape))
@@ -246,14 +239,11 @@ def _executable(kind: str, graphdef, args: tuple, mesh=None):
         return ex, 0.0
     t0 = time.perf_counter()
     if mesh is None:
-        ex = _FACTORIES[kind](graphdef).lower(*args).compile()
+        ex = _generation_jit(kind, graphdef).lower(*args).compile()
     else:
-        from dsv41_jax import sharding as shd
-
         out = jax.tree.map(lambda x: x.sharding, (args[1], args[8]) if kind == "prefill" else args[1])
-        fn = jax.jit(functools.partial(_FUNCTIONS[kind], graphdef), donate_argnums=_DONATE[kind], out_shardings=out)
         with shd.use_mesh(mesh):
-            ex = fn.lower(*args).compile()
+            ex = _generation_jit(kind, graphdef, out).lower(*args).compile()
     dt = time.perf_counter() - t0
     _EXECUTABLES[key] = ex
     _STATS["compiles"] += 1
@@ -298,7 +288,7 @@ def _decode_avals(model, B: int, N: int, max_len: int):
 def compile_prefill(model, batch: int, chunk: int, max_len: int, *, with_embeds: bool = False) -> float:
     """Compile the prefill chunk function for ids [batch, chunk] and a cache of ``max_len``."""
     graphdef, state = _split_flat(model)
-    mesh = mesh_of(state)
+    mesh = shd.mesh_of(state)
     args = _placed(mesh, "prefill", (state, *_prefill_avals(model, batch, chunk, max_len, with_embeds)))
     return _executable("prefill", graphdef, args, mesh)[1]
 
@@ -306,7 +296,7 @@ def compile_prefill(model, batch: int, chunk: int, max_len: int, *, with_embeds:
 def compile_decode(model, batch: int, new_tokens: int, max_len: int) -> float:
     """Compile the decode while_loop for [batch] rows, a [batch, new_tokens] buffer, cache ``max_len``."""
     graphdef, state = _split_flat(model)
-    mesh = mesh_of(state)
+    mesh = shd.mesh_of(state)
     args = _placed(mesh, "decode_loop", (state, *_decode_avals(model, batch, new_tokens, max_len)))
     return _executable("decode_loop", graphdef, args, mesh)[1]
 
@@ -428,7 +418,7 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
         im &= pb.valid
 
     graphdef, state = _split_flat(model)
-    mesh = mesh_of(state)  # a sharded model: the cache and inputs are placed by the rules
+    mesh = shd.mesh_of(state)  # a sharded model: the cache and inputs are placed by the rules
     timings = {"compile_s": 0.0, "compiles": 0}
 
     def get(kind, args):

@@ -467,12 +467,8 @@ def mesh_of(arrays) -> Any:
     variable of a sharded model carries a ``NamedSharding``, so the first array decides."""
     from jax.sharding import NamedSharding
 
-    for x in arrays:
-        sh = getattr(x, "sharding", None)
-        if isinstance(sh, NamedSharding) and sh.mesh.size > 1:
-            return sh.mesh
-        return None
-    return None
+    sh = getattr(next(iter(arrays), None), "sharding", None)
+    return sh.mesh if isinstance(sh, NamedSharding) and sh.mesh.size > 1 else None
 
 
 # ------------------------------------------------------------------------------------- table

@@ -281,12 +281,3 @@ def test_offsets_guard_for_the_triton_lowering():
     out = jax.eval_shape(lambda x, bg, c, s: grouped_qmatmul(x, bg, 4, c, s, bm=1), x, bg, codes, scale)
     assert out.shape == (4, 2304)
 
-
-def test_auto_sharded_outside_and_inside_shard_map():
-    """``kernels.auto_sharded``: False with no mesh or a one-device mesh (the kernels run)."""
-    from dsv41_jax import sharding as shd
-    from dsv41_jax.kernels import auto_sharded
-
-    assert not auto_sharded()
-    with shd.use_mesh(shd.make_mesh(1, 1, 1)):
-        assert not auto_sharded()

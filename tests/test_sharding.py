@@ -371,6 +371,8 @@ def _check_auto_split(out: dict):
     from dsv41_jax.model.moe_ep import shard_map
 
     seen = {"no mesh": auto_split()}
+    with shd.use_mesh(shd.make_mesh(1, 1, 1)):
+        seen["one device"] = auto_split()
     for spec in ((1, 8, 1), (1, 1, 8), (2, 2, 2)):
         mesh = shd.make_mesh(*spec)
         with shd.use_mesh(mesh):
@@ -384,7 +386,7 @@ def _check_auto_split(out: dict):
 
             jax.jit(shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))(jnp.zeros(4))
             seen[f"{spec} in shard_map"] = inside["v"]
-    want = {"no mesh": False, "(1, 8, 1) tensor": False, "(1, 8, 1) any": True, "(1, 8, 1) in shard_map": False,
+    want = {"no mesh": False, "one device": False, "(1, 8, 1) tensor": False, "(1, 8, 1) any": True, "(1, 8, 1) in shard_map": False,
             "(1, 1, 8) tensor": True, "(1, 1, 8) any": True, "(1, 1, 8) in shard_map": False,
             "(2, 2, 2) tensor": True, "(2, 2, 2) any": True, "(2, 2, 2) in shard_map": False}
     out["kernels.auto_split"] = dict(ok=seen == want, seen=seen)

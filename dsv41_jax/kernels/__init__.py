@@ -3,7 +3,7 @@ import os
 
 from dsv41_jax.kernels.qmatmul import dequantize, grouped_qmatmul, grouped_qmatmul_reference, kernel_impl, offsets_fit
 
-__all__ = ["auto_sharded", "auto_split", "dequantize", "grouped_qmatmul", "grouped_qmatmul_reference", "kernel_impl",
+__all__ = ["auto_split", "dequantize", "grouped_qmatmul", "grouped_qmatmul_reference", "kernel_impl",
            "offsets_fit", "use_pallas"]
 
 # GPUs the Triton kernels were measured on (compute capability >= 9.0: Hopper, H200 in
@@ -47,7 +47,3 @@ def auto_split(*axes: str) -> bool:
     sizes = {str(a): int(n) for a, n in dict(m.shape).items()}
     return any(n > 1 and not _manual(m, a) for a, n in sizes.items() if not axes or a in axes)
 
-
-def auto_sharded() -> bool:
-    """``auto_split()`` over every mesh axis."""
-    return auto_split()

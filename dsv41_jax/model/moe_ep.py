@@ -2,8 +2,9 @@
 
 Used by ``MoE.__call__`` when the active mesh (``jax.set_mesh`` / ``sharding.use_mesh``) spans
 several devices (an "expert" axis larger than 1, or only "tensor" / "data"). The router runs
-replicated outside (its fp32 logits and top-k are the unsharded ones); inside ``shard_map`` each device holds ``E / expert`` experts (their
-intermediate dim split over "tensor" when it divides) and the tokens of its "data" shard:
+replicated outside (its fp32 logits and top-k are the unsharded ones); inside ``shard_map``
+each device holds ``E / expert`` experts (their intermediate dim split over "tensor" when it
+divides) and the tokens of its "data" shard:
 
 1. keep the route weights of the local experts (zero elsewhere),
 2. compute the local experts, by the path ``plan`` picks:
