@@ -125,14 +125,18 @@ def test_hc_mixes_env_default_and_cpu_fallback(monkeypatch):
     rng = np.random.default_rng(30)
     args = _hc_inputs(rng, 4, 16)
     kw = dict(hc_mult=4, iters=20, norm_eps=1e-20, hc_eps=EPS)
-    monkeypatch.delenv("DSV41_SINKHORN", raising=False)
+    import dsv41_jax.kernels as K
+
+    monkeypatch.setenv("DSV41_SINKHORN", "xla")
     assert sinkhorn_kernel_impl() is None
     want = hc_mixes(*args, **kw)
-    for mode in ("xla", "pallas", "auto"):  # "pallas" / "auto" only take effect on a GPU backend
-        monkeypatch.setenv("DSV41_SINKHORN", mode)
-        if mode != "xla" and sinkhorn_kernel_impl() is not None:
+    monkeypatch.delenv("DSV41_SINKHORN")  # unset = auto: the kernel on Hopper-class GPUs only
+    assert sinkhorn_kernel_impl() == ("triton" if K.use_pallas() else None)
+    for mode in (None, "pallas", "auto"):  # "pallas" / "auto" only take effect on a GPU backend
+        if mode is not None:
+            monkeypatch.setenv("DSV41_SINKHORN", mode)
+        if sinkhorn_kernel_impl() is not None:
             continue  # running on a GPU: the kernel path, covered by the interpret test
-        assert sinkhorn_kernel_impl() is None
         for g, w in zip(hc_mixes(*args, **kw), want):
             np.testing.assert_array_equal(g, w)
     monkeypatch.setenv("DSV41_SINKHORN", "bogus")

@@ -304,6 +304,37 @@ def test_torch_oracle_random_grids(dtype):
     np.testing.assert_array_equal(spans[types == P.IMAGE], np.asarray(got.aligner_rows.astype(jnp.float32)))
 
 
+def test_tower_runner_sees_weights_loaded_in_place():
+    """encode_images splits the modules once (``vision._Tower``); weights assigned in place after the
+    first call are used by the next, bit for bit as a tower built with them, without a retrace."""
+    from dsv41_jax.model import vision as V
+
+    out_dim = 24
+    numerics = Numerics("float32", "fast")
+    pa, pb = random_params(TINY, out_dim, seed=1), random_params(TINY, out_dim, seed=2)
+    ims = [synthetic_image((4, 7), TINY, 3)]
+    vision, aligner = build_vision(TINY, out_dim, numerics)
+    load_vision_weights(vision, aligner, DictCheckpoint(pa))
+    first = np.asarray(encode_images(vision, aligner, pa, ims, numerics))
+    runner = V._TOWERS[vision]
+    load_vision_weights(vision, aligner, DictCheckpoint(pb))
+    second = np.asarray(encode_images(vision, aligner, pb, ims, numerics))
+    assert V._TOWERS[vision] is runner and runner.fn._cache_size() == 1
+    fresh_v, fresh_a = build_vision(TINY, out_dim, numerics)
+    load_vision_weights(fresh_v, fresh_a, DictCheckpoint(pb))
+    np.testing.assert_array_equal(second, np.asarray(encode_images(fresh_v, fresh_a, pb, ims, numerics)))
+    assert not np.allclose(first, second)
+    # the same tower with another aligner: a new runner, and that aligner's weights are used
+    _, other_a = build_vision(TINY, out_dim, numerics)
+    load_vision_weights(_, other_a, DictCheckpoint(pa))
+    mixed = {k: (pb[k] if k.startswith("vision.") else pa[k]) for k in pa}
+    mixed_v, mixed_a = build_vision(TINY, out_dim, numerics)
+    load_vision_weights(mixed_v, mixed_a, DictCheckpoint(mixed))
+    np.testing.assert_array_equal(np.asarray(encode_images(vision, other_a, pa, ims, numerics)),
+                                  np.asarray(encode_images(mixed_v, mixed_a, pa, ims, numerics)))
+    assert V._TOWERS[vision] is not runner
+
+
 # ------------------------------------------------------------------------------ data parallel
 
 _DP_SCRIPT = textwrap.dedent("""

@@ -21,8 +21,10 @@ GEMM writes bf16 directly (fp32 accumulation, then the bias added in fp32 and ro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -344,10 +346,44 @@ def pack_images(images: Sequence[ProcessedImage], cfg: VisionConfig, *,
     return groups
 
 
-@nnx.jit(static_argnames=("q_block", "impl"))
-def _tower(vision, aligner, patches, rows, cols, n_valid, merge, q_block=0, impl="fp32"):
+def _tower_pure(graphdef, treedef, leaves, patches, rows, cols, n_valid, merge, q_block=0, impl="fp32"):
+    vision, aligner = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
     x = vision(patches, rows, cols, n_valid, q_block=q_block, impl=impl)
     return x, aligner(x, merge)
+
+
+class _Tower:
+    """The tower + aligner of one (vision, aligner) pair as a plain jitted function of their weights.
+
+    ``nnx.jit`` walks both module graphs on every call (tens of ms of host time for the 32-block
+    tower, longer than a GPU runs the whole 8.6k-patch image: docs/performance.md run 14). Here the
+    graph is split once; each call reads the current value of every weight Variable (so weights
+    replaced in place, e.g. by a loader, are seen) and calls one ``jax.jit`` function. Replacing a
+    submodule or Variable object after the first encode is not seen: build a new model instead."""
+
+    def __init__(self, vision, aligner):
+        graphdef, state = nnx.split((vision, aligner))
+        by_path = {p: v for p, v in nnx.iter_graph((vision, aligner)) if isinstance(v, nnx.Variable)}
+        self.variables = [by_path[p] for p, _ in state.flat_state()]
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        if len(leaves) != len(self.variables) or any(a is not v.get_value() for a, v in zip(leaves, self.variables)):
+            raise RuntimeError("vision tower: the split state does not list its Variables in path order")
+        self._aligner = weakref.ref(aligner)
+        self.fn = jax.jit(functools.partial(_tower_pure, graphdef, treedef), static_argnames=("q_block", "impl"))
+
+    def __call__(self, *args, q_block: int = 0, impl: str = "fp32"):
+        return self.fn([v.get_value() for v in self.variables], *args, q_block=q_block, impl=impl)
+
+
+_TOWERS: "weakref.WeakKeyDictionary[ViT, _Tower]" = weakref.WeakKeyDictionary()
+
+
+def _tower(vision, aligner, *args, q_block: int = 0, impl: str = "fp32"):
+    """Run the tower + aligner (one cached ``_Tower`` per vision module and aligner)."""
+    runner = _TOWERS.get(vision)
+    if runner is None or runner._aligner() is not aligner:
+        runner = _TOWERS[vision] = _Tower(vision, aligner)
+    return runner(*args, q_block=q_block, impl=impl)
 
 
 @dataclasses.dataclass(frozen=True)
