@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dsv41_jax import sharding as shd
 from dsv41_jax.buckets import DEFAULT_BUCKETS, Buckets, check_prompts, pad_prompts, round_up
 from dsv41_jax.sampling import SamplingParams, sample
-from dsv41_jax import sharding as shd
 
 F32 = jnp.float32
 FINISH_REASONS = {1: "stop", 2: "length"}

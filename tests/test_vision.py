@@ -318,14 +318,15 @@ def test_tower_runner_sees_weights_loaded_in_place():
     load_vision_weights(vision, aligner, DictCheckpoint(pa))
     first = np.asarray(encode_images(vision, aligner, pa, ims, numerics))
     runner = V._TOWERS[vision]
-    compiled = V._tower_jit._cache_size()
+    compiled = runner.fn._cache_size()
     load_vision_weights(vision, aligner, DictCheckpoint(pb))
     second = np.asarray(encode_images(vision, aligner, pb, ims, numerics))
     assert V._TOWERS[vision] is runner
     fresh_v, fresh_a = build_vision(TINY, out_dim, numerics)
     load_vision_weights(fresh_v, fresh_a, DictCheckpoint(pb))
     np.testing.assert_array_equal(second, np.asarray(encode_images(fresh_v, fresh_a, pb, ims, numerics)))
-    assert V._tower_jit._cache_size() == compiled  # no retrace: same weights' shapes, same graph
+    assert V._TOWERS[fresh_v].fn is runner.fn  # equal structure: one jitted function
+    assert runner.fn._cache_size() == compiled  # no retrace: same weights' shapes, same graph
     assert not np.allclose(first, second)
     # the same tower with another aligner: a new runner, and that aligner's weights are used
     _, other_a = build_vision(TINY, out_dim, numerics)

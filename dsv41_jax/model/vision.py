@@ -346,34 +346,16 @@ def pack_images(images: Sequence[ProcessedImage], cfg: VisionConfig, *,
     return groups
 
 
-class _Structure:
-    """(graphdef, treedef) as one static jit argument whose hash is computed once (hashing an nnx
-    GraphDef walks it: ~2 ms per call for the tower). Instances are interned (``_STRUCTURES``) so
-    towers of equal structure pass the same object and the jit cache matches on identity."""
-
-    __slots__ = ("graphdef", "treedef", "_hash")
-
-    def __init__(self, graphdef, treedef):
-        self.graphdef, self.treedef = graphdef, treedef
-        self._hash = hash((graphdef, treedef))
-
-    def __hash__(self):
-        return self._hash
-
-    def __eq__(self, other):
-        return self is other or (isinstance(other, _Structure) and self._hash == other._hash
-                                 and self.treedef == other.treedef and self.graphdef == other.graphdef)
-
-
-_STRUCTURES: dict[_Structure, _Structure] = {}
-
-
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("q_block", "impl"))
-def _tower_jit(structure, leaves, patches, rows, cols, n_valid, merge, q_block=0, impl="fp32"):
-    """One executable per (structure, shapes): towers of the same structure share it."""
-    vision, aligner = nnx.merge(structure.graphdef, jax.tree_util.tree_unflatten(structure.treedef, leaves))
+def _tower_pure(graphdef, treedef, leaves, patches, rows, cols, n_valid, merge, q_block=0, impl="fp32"):
+    vision, aligner = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
     x = vision(patches, rows, cols, n_valid, q_block=q_block, impl=impl)
     return x, aligner(x, merge)
+
+
+# (graphdef, treedef) -> the jitted tower of that structure: towers of equal structure share one
+# function and so its compiled executables (the key is hashed once per runner, not per call:
+# hashing an nnx GraphDef walks it, ~2 ms for the tower)
+_TOWER_FNS: dict = {}
 
 
 class _Tower:
@@ -393,11 +375,14 @@ class _Tower:
         if len(leaves) != len(self.variables) or any(a is not v.get_value() for a, v in zip(leaves, self.variables)):
             raise RuntimeError("vision tower: the split state does not list its Variables in path order")
         self._aligner = weakref.ref(aligner)
-        structure = _Structure(graphdef, treedef)
-        self.structure = _STRUCTURES.setdefault(structure, structure)
+        key = (graphdef, treedef)
+        if key not in _TOWER_FNS:
+            _TOWER_FNS[key] = jax.jit(functools.partial(_tower_pure, graphdef, treedef),
+                                      static_argnames=("q_block", "impl"))
+        self.fn = _TOWER_FNS[key]
 
     def __call__(self, *args, q_block: int = 0, impl: str = "fp32"):
-        return _tower_jit(self.structure, [v.get_value() for v in self.variables], *args, q_block=q_block, impl=impl)
+        return self.fn([v.get_value() for v in self.variables], *args, q_block=q_block, impl=impl)
 
 
 _TOWERS: "weakref.WeakKeyDictionary[ViT, _Tower]" = weakref.WeakKeyDictionary()
