@@ -1,6 +1,7 @@
 """GPU-side agreement of the Pallas kernels with their XLA references at V4.1 sizes (one JSON
 line per case): the mHC Sinkhorn (relative and per-entry error) and the grouped qmatmul in its
-split-K decode configurations (int8 experts, dense fp8).
+split-K decode configurations (int8 experts, dense fp8) and its prefill blocks (128-row expert
+blocks, 64-row dense fp8 blocks: the weights-left operand order, against the other order too).
 
     python3 benchmarks/check_gpu_kernels.py
 """
@@ -39,16 +40,17 @@ def main():
         emit(check="sinkhorn", tokens=T, rel_err=rel(got, want),
              max_elem_rel=float(np.max(np.abs(g - w) / np.maximum(np.abs(w), 1e-30))))
     E, D, I = 384, 5120, 2304
-    for name, G, O, K, R, kind in (("routed_w1", E, I, D, 6, "int8"), ("routed_w2", E, D, I, 6, "int8"),
-                                   ("routed_w1_b8", E, I, D, 48, "int8"), ("dense_fp8_b1", 1, 2304, D, 1, "fp8"),
-                                   ("dense_fp8_b16", 1, 512, D, 16, "fp8")):
+    for name, G, O, K, R, kind, bm in (
+            ("routed_w1", E, I, D, 6, "int8", 1), ("routed_w2", E, D, I, 6, "int8", 1),
+            ("routed_w1_b8", E, I, D, 48, "int8", 1), ("dense_fp8_b1", 1, 2304, D, 1, "fp8", 1),
+            ("dense_fp8_b16", 1, 512, D, 16, "fp8", 16), ("routed_w1_prefill", E, I, D, 512, "int8", 128),
+            ("routed_w2_prefill", E, D, I, 512, "int8", 128), ("dense_fp8_prefill", 1, 2304, D, 256, "fp8", 64)):
         k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, R * 7 + O), 4)
         if kind == "int8":
             codes = jax.random.randint(k1, (G, O, K), -12, 13).astype(jnp.int8)
         else:
             codes = jax.random.normal(k1, (G, O, K), jnp.float32).astype(jnp.float8_e4m3fn)
         scale = jax.random.randint(k2, (G, O, K // 32), 118, 126).astype(jnp.uint8)
-        bm = 1 if G > 1 else R
         x = jax.random.normal(k3, (R, K), jnp.float32).astype(jnp.bfloat16)
         bg = jax.random.randint(k4, (R // bm,), 0, G).astype(jnp.int32)
         cfg = Q.choose_config(bm, O, K, True, nb=R // bm)
@@ -60,8 +62,11 @@ def main():
                                                     lowp_dequant=True))(x, bg, R // bm, codes, scale)
         f32 = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=jnp.float32, impl="triton",
                                                    lowp_dequant=False))(x, bg, R // bm, codes, scale)
-        emit(check="qmatmul", case=name, splitk=cfg.splitk, bk=cfg.bk, rel_err=rel(got, want),
-             lowp_rel_err=rel(lowp, want), lowp_vs_f32_max_abs=float(jnp.max(jnp.abs(lowp - f32))))
+        other = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=jnp.float32, impl="triton",
+                                                     wlhs=not cfg.wlhs))(x, bg, R // bm, codes, scale)
+        emit(check="qmatmul", case=name, splitk=cfg.splitk, bk=cfg.bk, wlhs=cfg.wlhs, rel_err=rel(got, want),
+             lowp_rel_err=rel(lowp, want), lowp_vs_f32_max_abs=float(jnp.max(jnp.abs(lowp - f32))),
+             other_order_rel_err=rel(other, want))
 
 
 if __name__ == "__main__":

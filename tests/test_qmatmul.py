@@ -98,6 +98,12 @@ CASES = [
     ("bf16", 6, 40, 96, 1, 6, 5, "auto", {"splitk": 1}),
     ("int8", 6, 40, 256, 1, 7, 5, "auto", {"lowp_dequant": True}),
     ("fp8", 1, 72, 256, 1, 3, 3, "auto", {"lowp_dequant": True}),
+    # the weight tile as the dot's left operand: decode, split-K, prefill blocks, split, unscaled
+    ("int8", 6, 40, 256, 1, 7, 5, "auto", {"wlhs": True}),
+    ("fp8", 1, 72, 256, 1, 3, 3, "auto", {"wlhs": True, "splitk": 2}),
+    ("int8", 3, 72, 128, 64, 3, 2, "auto", {"wlhs": True}),
+    ("int8", 3, 72, 128, 64, 3, 2, "dot", {"wlhs": True, "split": True}),
+    ("bf16", 6, 40, 96, 1, 6, 5, "auto", {"wlhs": True}),
 ]
 
 
@@ -281,3 +287,18 @@ def test_offsets_guard_for_the_triton_lowering():
     out = jax.eval_shape(lambda x, bg, c, s: grouped_qmatmul(x, bg, 4, c, s, bm=1), x, bg, codes, scale)
     assert out.shape == (4, 2304)
 
+
+
+def test_tuning_env_override(monkeypatch):
+    """``DSV41_QMATMUL_TUNING`` overrides ``TUNING`` fields per size; bad input is one clear error."""
+    assert Q.choose_config(128, 2304, 5120, True, nb=400).wlhs  # prefill blocks: weights on the left
+    assert not Q.choose_config(1, 2304, 5120, True, nb=6).wlhs  # decode GEMVs: the other order
+    monkeypatch.setenv("DSV41_QMATMUL_TUNING", '{"large": {"wlhs": false, "num_warps": 8}, "small": {"bo": 32}}')
+    big, small = Q.choose_config(128, 2304, 5120, True, nb=400), Q.choose_config(1, 2304, 5120, True, nb=6)
+    assert (big.wlhs, big.num_warps, big.bo) == (False, 8, 128) and small.bo == 32
+    monkeypatch.setenv("DSV41_QMATMUL_TUNING", '{"large": {"warps": 8}}')
+    with pytest.raises(ValueError, match="unknown Config fields"):
+        Q.choose_config(128, 2304, 5120, True)
+    monkeypatch.setenv("DSV41_QMATMUL_TUNING", "[1, 2]")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        Q.choose_config(128, 2304, 5120, True)

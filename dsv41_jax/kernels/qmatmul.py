@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 
@@ -143,7 +144,12 @@ class Config:
     sum ``[splitk, R, O]`` that XLA adds up and rounds once (small problems, e.g. decode GEMVs:
     enough programs in flight to stream the weights at full bandwidth). ``lowp_dequant``: "dot"
     mode dequantizes in the compute dtype (codes and power-of-two scales convert exactly, so the
-    weights are the same values) instead of through fp32 (experiment; ``DSV41_QMATMUL_DEQUANT``)."""
+    weights are the same values) instead of through fp32 (experiment; ``DSV41_QMATMUL_DEQUANT``).
+    ``wlhs``: "dot" mode puts the dequantized weight tile on the left of the product
+    (``w [bo, bk] . x^T [bk, tm]`` -> ``[bo, tm]``, transposed once before the store): the
+    weights can then stay in registers as the MMA's A operand instead of being written to
+    shared memory as its B operand; the same products and fp32 sums (the default for prefill
+    blocks: 6-7% faster there; 5-10% slower for decode GEMVs)."""
     mode: str
     tm: int
     bo: int
@@ -155,6 +161,7 @@ class Config:
     group_rows: int = 0
     splitk: int = 1
     lowp_dequant: bool = False
+    wlhs: bool = False
 
 
 # split-K target: about this many programs in flight (4 per SM of a 132-SM H200)
@@ -191,11 +198,29 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 # benchmarks/results/qmatmul_2026-12-01_run3.jsonl). Blocks of up to 16 rows (decode, batched
 # dense GEMV) run on the tensor cores with the rows padded to 16 in registers: 64 x 128 tiles
 # beat the elementwise "reduce" forms (1.2-2.4 vs 0.9-2.0 TB/s). 128-row prefill blocks: 128 x 64
-# tiles (bk 128 was 20-40% slower). ``num_warps`` None: 8 for 128-row tiles, else 4.
+# tiles (bk 128 was 20-40% slower); since session 6 with the weight tile on the left of the dot
+# and 4 warps (6-7% faster on the routed w1 / w2 blocks of an 8k prefill, benchmarks/sweep_gemv.py
+# --grid wlhs). ``num_warps`` None: 8 for 128-row tiles, else 4. ``DSV41_QMATMUL_TUNING`` (JSON,
+# e.g. '{"large": {"wlhs": false, "num_warps": 8}}') overrides fields for tuning on other GPUs.
 TUNING = {
     "small": dict(mode="dot", bo=64, bk=128, num_warps=4, num_stages=3),
-    "large": dict(mode="dot", bo=128, bk=64, num_warps=None, num_stages=3),
+    "large": dict(mode="dot", bo=128, bk=64, num_warps=4, num_stages=3, wlhs=True),
 }
+
+
+def _tuning(size: str) -> dict:
+    cfg = dict(TUNING[size])
+    env = os.environ.get("DSV41_QMATMUL_TUNING")
+    if env:
+        try:
+            extra = json.loads(env).get(size, {})
+            bad = set(extra) - {f.name for f in dataclasses.fields(Config)}
+        except (ValueError, AttributeError) as e:
+            raise ValueError(f"DSV41_QMATMUL_TUNING={env!r}: not a JSON object of objects ({e})") from None
+        if bad:
+            raise ValueError(f"DSV41_QMATMUL_TUNING: unknown Config fields {sorted(bad)}")
+        cfg.update(extra)
+    return cfg
 
 
 def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb: int = 1, **override) -> Config:
@@ -204,7 +229,7 @@ def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb:
     accumulate-then-reduce form); ``override``: any ``Config`` field (tuning sweeps). ``nb``
     (row blocks) sizes the automatic split-K (``auto_splitk``; ``splitk=1`` turns it off)."""
     if mode in ("auto", "dot"):
-        cfg = dict(TUNING["small"] if bm <= 16 else TUNING["large"])
+        cfg = _tuning("small" if bm <= 16 else "large")
     elif mode == "reduce":
         tm = _pow2_at_least(bm)
         cfg = dict(mode="reduce", bo=16, bk=256 if tm <= 2 else 128, num_warps=4, num_stages=3,
@@ -227,6 +252,8 @@ def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb:
     cfg["bk"] = _largest_pow2_divisor(K // cfg["splitk"], cfg["bk"])
     if scaled and cfg["bk"] < QBLOCK:
         raise ValueError(f"grouped_qmatmul: K={K} has no power-of-two step >= {QBLOCK}")
+    if cfg.get("wlhs") and cfg["mode"] != "dot":
+        raise ValueError("grouped_qmatmul: wlhs applies to the dot mode only")
     if cfg["tm"] < bm or cfg["tm"] & (cfg["tm"] - 1):
         raise ValueError(f"grouped_qmatmul: tm={cfg['tm']} must be a power of two >= bm={bm}")
     return Config(**cfg)
@@ -283,7 +310,9 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
     prec = lax.Precision.HIGHEST if cd == F32 else None
     dims = (((1,), (1,)), ((), ()))
 
-    def dot(a, w):  # a [tm, kk], w [bo, kk] -> [tm, bo] fp32
+    def dot(a, w):  # a [tm, kk], w [bo, kk] -> [tm, bo] fp32 ([bo, tm] with wlhs)
+        if cfg.wlhs:
+            return lax.dot_general(w.astype(cd), a.astype(cd), dims, precision=prec, preferred_element_type=F32)
         return lax.dot_general(a.astype(cd), w.astype(cd), dims, precision=prec, preferred_element_type=F32)
 
     @pl.when(live)
@@ -336,7 +365,9 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
             while acc.ndim > 2:
                 acc = jnp.sum(acc, axis=-1)
         else:
-            acc = lax.fori_loop(0, kr // bk, step, jnp.zeros((tm, bo), F32))
+            acc = lax.fori_loop(0, kr // bk, step, jnp.zeros((bo, tm) if cfg.wlhs else (tm, bo), F32))
+            if cfg.wlhs:
+                acc = acc.T
         put(acc)
 
     @pl.when(jnp.logical_not(live))

@@ -51,8 +51,15 @@ def _side(nn: int) -> int:
     return n
 
 
-def sinkhorn_reference(logits, iters: int, eps: float):
-    """XLA formulation (the one in ``hc_mixes``): ``logits [..., n*n]`` -> ``[..., n, n]`` fp32."""
+def sinkhorn_reference(logits, iters: int, eps: float, unroll: bool | None = None):
+    """XLA formulation (the one in ``hc_mixes``): ``logits [..., n*n]`` -> ``[..., n, n]`` fp32.
+
+    ``unroll`` (default: on every backend but the CPU) unrolls the (row, column) pairs: on a GPU
+    XLA then fuses the whole normalization into one kernel (docs/performance.md run 4). On the
+    CPU the unrolled chain makes XLA duplicate each pair's producers into every later reduction
+    fusion (quadratic in ``iters``: ~12k of the 71k optimized HLO instructions of a small test
+    model), which doubled its compile time, so there it stays a loop. The same operations in the
+    same order either way (XLA's rewrites of a division may still move an entry by an ulp)."""
     n = _side(logits.shape[-1])
     c = logits.astype(F32).reshape(*logits.shape[:-1], n, n)
     c = jnp.exp(c - jnp.max(c, axis=-1, keepdims=True))
@@ -63,7 +70,9 @@ def sinkhorn_reference(logits, iters: int, eps: float):
         c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
         return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
 
-    return jax.lax.fori_loop(0, iters - 1, body, c, unroll=True)
+    if unroll is None:
+        unroll = jax.default_backend() != "cpu"
+    return jax.lax.fori_loop(0, iters - 1, body, c, unroll=bool(unroll))
 
 
 def _sum(vals):
