@@ -299,6 +299,7 @@ def test_tuning_env_override(monkeypatch):
     monkeypatch.setenv("DSV41_QMATMUL_TUNING", '{"large": {"warps": 8}}')
     with pytest.raises(ValueError, match="unknown Config fields"):
         Q.choose_config(128, 2304, 5120, True)
-    monkeypatch.setenv("DSV41_QMATMUL_TUNING", "[1, 2]")
-    with pytest.raises(ValueError, match="not a JSON object"):
-        Q.choose_config(128, 2304, 5120, True)
+    for bad in ("[1, 2]", '{"large": 5}', "{large"):
+        monkeypatch.setenv("DSV41_QMATMUL_TUNING", bad)
+        with pytest.raises(ValueError, match="not a JSON object"):
+            Q.choose_config(128, 2304, 5120, True)

@@ -149,7 +149,7 @@ class Config:
     (``w [bo, bk] . x^T [bk, tm]`` -> ``[bo, tm]``, transposed once before the store): the
     weights can then stay in registers as the MMA's A operand instead of being written to
     shared memory as its B operand; the same products and fp32 sums (the default for prefill
-    blocks: 6-7% faster there; 5-10% slower for decode GEMVs)."""
+    blocks: 6-7% faster there; 1-14% slower for decode GEMVs)."""
     mode: str
     tm: int
     bo: int
@@ -215,7 +215,7 @@ def _tuning(size: str) -> dict:
         try:
             extra = json.loads(env).get(size, {})
             bad = set(extra) - {f.name for f in dataclasses.fields(Config)}
-        except (ValueError, AttributeError) as e:
+        except (ValueError, AttributeError, TypeError) as e:
             raise ValueError(f"DSV41_QMATMUL_TUNING={env!r}: not a JSON object of objects ({e})") from None
         if bad:
             raise ValueError(f"DSV41_QMATMUL_TUNING: unknown Config fields {sorted(bad)}")
