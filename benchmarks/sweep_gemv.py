@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import types
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -60,7 +61,6 @@ def grid_configs(prefill: bool):
 
 def run_prefill(name, key):
     from dsv41_jax.model.moe import MoE
-    import types
 
     G, O, K, T = PREFILL[name]
     k1, k2 = jax.random.split(key)

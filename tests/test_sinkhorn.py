@@ -160,7 +160,7 @@ def test_auto_follows_the_kernel_switch(monkeypatch):
     assert sinkhorn_kernel_impl() is None
 
 
-def test_reference_loop_and_unrolled_are_identical():
+def test_reference_loop_and_unrolled_agree():
     """The jnp formulation runs its (row, column) pairs as a loop on the CPU (compile time) and
     unrolled elsewhere: the same operations in the same order. XLA may rewrite a division by a
     broadcast sum into a multiply by its reciprocal in one form and not the other, so entries may

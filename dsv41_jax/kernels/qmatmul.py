@@ -311,9 +311,8 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
     dims = (((1,), (1,)), ((), ()))
 
     def dot(a, w):  # a [tm, kk], w [bo, kk] -> [tm, bo] fp32 ([bo, tm] with wlhs)
-        if cfg.wlhs:
-            return lax.dot_general(w.astype(cd), a.astype(cd), dims, precision=prec, preferred_element_type=F32)
-        return lax.dot_general(a.astype(cd), w.astype(cd), dims, precision=prec, preferred_element_type=F32)
+        lhs, rhs = (w, a) if cfg.wlhs else (a, w)
+        return lax.dot_general(lhs.astype(cd), rhs.astype(cd), dims, precision=prec, preferred_element_type=F32)
 
     @pl.when(live)
     def _compute():
