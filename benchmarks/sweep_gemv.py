@@ -9,6 +9,8 @@ the prefill MoE blocks (``prefill_w1`` / ``prefill_w2``: 8192 tokens x 6 pairs s
 
     python3 benchmarks/sweep_gemv.py [--cases routed_w1,routed_w2,dense_2304x5120,dense_5120x8192]
     python3 benchmarks/sweep_gemv.py --grid wlhs --cases routed_w1,routed_w2,dense_2304x5120,prefill_w1,prefill_w2
+    python3 benchmarks/sweep_gemv.py --grid dequant --cases routed_w1,routed_w2,dense_2304x5120,dense_5120x8192,prefill_w1
+    python3 benchmarks/sweep_gemv.py --grid xla --cases routed_w1,dense_2304x5120,dense_5120x8192
 """
 from __future__ import annotations
 
@@ -44,8 +46,29 @@ emit = bs.jsonl_emitter("sweep_gemv.jsonl")
 
 def grid_configs(prefill: bool):
     """``wlhs``: the default operand order and the weights-left order over the tiles that matter
-    for each (``{}`` is the default, whatever ``TUNING`` says; ``wlhs=False`` rows pin the old one)."""
+    for each (``{}`` is the default, whatever ``TUNING`` says; ``wlhs=False`` rows pin the old one).
+    ``dequant``: the converter instructions (``"cvt"``) against the bit-level decode (``"bits"``)
+    on the tensor-core tiles and on the CUDA-core ("reduce") GEMV, whose per-element work the
+    decode dominates."""
     yield {}
+    if GRID == "dequant":
+        if prefill:
+            yield dict(dequant="cvt")
+            yield dict(dequant="bits")
+            return
+        yield dict(dequant="cvt")
+        yield dict(dequant="bits")
+        for bo in (64, 128):
+            for bk in (128, 256):
+                yield dict(dequant="bits", bo=bo, bk=bk)
+        yield dict(dequant="bits", num_warps=8, bo=128)
+        yield dict(dequant="bits", wlhs=True)
+        for s in (1, 4, 16):
+            yield dict(dequant="bits", splitk=s)
+        for bo, bk in ((16, 256), (32, 256), (16, 512), (32, 128), (64, 128)):
+            yield dict(mode="reduce", dequant="bits", bo=bo, bk=bk)
+        yield dict(mode="reduce", dequant="cvt")
+        return
     if prefill:
         yield dict(wlhs=False, bo=128, bk=64, num_warps=8)
         for bo, bk, w in ((128, 64, None), (64, 64, 4), (128, 64, 4), (128, 128, 8), (256, 64, 8)):
@@ -91,6 +114,38 @@ def run_prefill(name, key):
         emit(case=name, best=cfg, ms=round(t * 1e3, 3), TFLOPs=round(flops / t / 1e12, 1))
 
 
+def run_xla(name, x, ids0, codes, scale, nbytes, one):
+    """The kernel's default against XLA on the same GEMV: the dequantizing einsum
+    (``grouped_qmatmul_reference``: XLA fuses what it can) and a plain bf16 weight (twice the
+    bytes; what XLA's own GEMM reaches). The optimized HLO of the dequantizing form goes to
+    $OUT/sweep_xla_<case>.hlo.txt (which fusions read the codes)."""
+    R = x.shape[0]
+    G = codes.shape[0]
+    one({})
+    w16 = Q.dequantize(codes, scale, jnp.bfloat16)
+    for form in ("xla_dequant", "xla_bf16"):
+        def fn(i, s, x, codes, scale, w16, form=form):
+            ids = (ids0 + i * 37) % G
+            xs = x + s.astype(jnp.bfloat16)
+            if form == "xla_dequant":
+                return Q.grouped_qmatmul_reference(xs, ids, R, codes, scale, bm=1, out_dtype=jnp.bfloat16)
+            if G == 1:
+                return jnp.einsum("rk,ok->ro", xs, w16[0], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+            return jnp.einsum("rk,rok->ro", xs, w16[ids], preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        try:
+            t, c = bq.timeit(fn, x, codes, scale, w16, reps=50)
+            nb = nbytes if form == "xla_dequant" else R * codes.shape[1] * codes.shape[2] * 2 + R * x.shape[1] * 2
+            emit(case=name, cfg=form, us=round(t * 1e6, 2), TBps=round(nb / t / 1e12, 3), compile_s=round(c, 1))
+        except Exception as e:  # noqa: BLE001
+            emit(case=name, cfg=form, error=f"{type(e).__name__}: {str(e)[:200]}")
+    out = os.environ.get("OUT")
+    if out:
+        hlo = jax.jit(lambda x, c, s: Q.grouped_qmatmul_reference(x, ids0, R, c, s, bm=1, out_dtype=jnp.bfloat16)
+                      ).lower(x, codes, scale).compile().as_text()
+        with open(os.path.join(out, f"sweep_xla_{name}.hlo.txt"), "w") as f:
+            f.write(hlo)
+
+
 def run_case(name, key):
     if name in PREFILL:
         return run_prefill(name, key)
@@ -123,6 +178,8 @@ def run_case(name, key):
             row = dict(case=name, cfg=cfg, error=f"{type(e).__name__}: {str(e)[:200]}")
         emit(**row)
 
+    if GRID == "xla":
+        return run_xla(name, x, ids0, codes, scale, nbytes, one)
     if GRID != "tiles":
         for cfg in grid_configs(False):
             one(cfg)
@@ -145,7 +202,7 @@ def run_case(name, key):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--grid", choices=("tiles", "wlhs"), default="tiles")
+    ap.add_argument("--grid", choices=("tiles", "wlhs", "dequant", "xla"), default="tiles")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in the Pallas interpreter (CPU check)")
     a = ap.parse_args()
     global IMPL, GRID

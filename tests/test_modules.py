@@ -391,7 +391,7 @@ def np_candidate_blocks(score, n_vis, topk_blocks, block):
 
 
 @pytest.mark.parametrize("T,block,topk_blocks,seed", [(13, 4, 2, 0), (16, 4, 3, 1), (20, 3, 4, 2), (7, 8, 2, 3),
-                                                      (24, 2, 5, 4)])
+                                                      (24, 2, 5, 4), (12, 4, 3, 5), (10, 4, 9, 6)])
 def test_select_candidate_blocks_with_ties(T, block, topk_blocks, seed):
     rng = np.random.default_rng(seed)
     S = 12

@@ -40,11 +40,12 @@ def select_candidate_blocks(score, n_vis, topk_blocks: int, block: int):
     nb = blocks.shape[-1]
     last = jnp.floor_divide(n_vis - 1, block)
     blocks = jnp.where(jnp.arange(nb) == last[..., None], jnp.inf, blocks)
-    kb = min(topk_blocks, nb)
-    vals, idx = jax.lax.top_k(blocks, kb)
-    keep = jnp.zeros(blocks.shape, bool)
-    onehot = jax.nn.one_hot(idx, nb, dtype=bool) & (vals > NEG_INF)[..., None]
-    keep = keep | jnp.any(onehot, axis=-2)
+    if topk_blocks >= nb:  # every block is selected (contexts up to topk_blocks * block): no top-k sort
+        keep = blocks > NEG_INF
+    else:
+        vals, idx = jax.lax.top_k(blocks, topk_blocks)
+        onehot = jax.nn.one_hot(idx, nb, dtype=bool) & (vals > NEG_INF)[..., None]
+        keep = jnp.any(onehot, axis=-2)
     return jnp.repeat(keep, block, axis=-1)[..., :T]
 
 
