@@ -9,7 +9,6 @@ the prefill MoE blocks (``prefill_w1`` / ``prefill_w2``: 8192 tokens x 6 pairs s
 
     python3 benchmarks/sweep_gemv.py [--cases routed_w1,routed_w2,dense_2304x5120,dense_5120x8192]
     python3 benchmarks/sweep_gemv.py --grid wlhs --cases routed_w1,routed_w2,dense_2304x5120,prefill_w1,prefill_w2
-    python3 benchmarks/sweep_gemv.py --grid dequant --cases routed_w1,routed_w2,dense_2304x5120,dense_5120x8192,prefill_w1
     python3 benchmarks/sweep_gemv.py --grid xla --cases routed_w1,dense_2304x5120,dense_5120x8192
 """
 from __future__ import annotations
@@ -46,29 +45,8 @@ emit = bs.jsonl_emitter("sweep_gemv.jsonl")
 
 def grid_configs(prefill: bool):
     """``wlhs``: the default operand order and the weights-left order over the tiles that matter
-    for each (``{}`` is the default, whatever ``TUNING`` says; ``wlhs=False`` rows pin the old one).
-    ``dequant``: the converter instructions (``"cvt"``) against the bit-level decode (``"bits"``)
-    on the tensor-core tiles and on the CUDA-core ("reduce") GEMV, whose per-element work the
-    decode dominates."""
+    for each (``{}`` is the default, whatever ``TUNING`` says; ``wlhs=False`` rows pin the old one)."""
     yield {}
-    if GRID == "dequant":
-        if prefill:
-            yield dict(dequant="cvt")
-            yield dict(dequant="bits")
-            return
-        yield dict(dequant="cvt")
-        yield dict(dequant="bits")
-        for bo in (64, 128):
-            for bk in (128, 256):
-                yield dict(dequant="bits", bo=bo, bk=bk)
-        yield dict(dequant="bits", num_warps=8, bo=128)
-        yield dict(dequant="bits", wlhs=True)
-        for s in (1, 4, 16):
-            yield dict(dequant="bits", splitk=s)
-        for bo, bk in ((16, 256), (32, 256), (16, 512), (32, 128), (64, 128)):
-            yield dict(mode="reduce", dequant="bits", bo=bo, bk=bk)
-        yield dict(mode="reduce", dequant="cvt")
-        return
     if prefill:
         yield dict(wlhs=False, bo=128, bk=64, num_warps=8)
         for bo, bk, w in ((128, 64, None), (64, 64, 4), (128, 64, 4), (128, 128, 8), (256, 64, 8)):
@@ -202,7 +180,7 @@ def run_case(name, key):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--grid", choices=("tiles", "wlhs", "dequant", "xla"), default="tiles")
+    ap.add_argument("--grid", choices=("tiles", "wlhs", "xla"), default="tiles")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in the Pallas interpreter (CPU check)")
     a = ap.parse_args()
     global IMPL, GRID

@@ -307,19 +307,6 @@ def act_quant_fp8(x: jax.Array, block: int = 32) -> jax.Array:
     return _fq_blocks(jnp.asarray(x), block, "fp8", jnp)
 
 
-def act_quant_fp8_groups(xb):
-    """``act_quant_fp8`` of fp32 ``xb`` [..., 32] (one scale per last-axis group), in the form
-    kernels use (``kernels.qmatmul``'s ``act_quant``): the same ue8m0 scale, and the e4m3
-    rounding done by the dtype conversion instead of ``_round_minifloat``'s jnp ops (which the
-    Pallas Triton lowering lacks). The conversion is RNE with the clip making it saturate, as
-    Triton's fp32 -> e4m3 and XLA's CPU convert both implement (tests compare the two forms bit
-    for bit); XLA's GPU convert is not relied on."""
-    amax = jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), jnp.float32(FP8_AMAX_FLOOR))
-    k = _pow2ceil_exp(amax * jnp.float32(INV_E4M3_MAX), jnp)
-    q = jnp.clip(xb * _pow2(-k, jnp), -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    return q * _pow2(k, jnp)
-
-
 def fq_fp8_np(x: np.ndarray, block: int = 32) -> np.ndarray:
     """NumPy twin of ``fq_fp8``."""
     return _fq_blocks(np.asarray(x), block, "fp8", np)

@@ -44,20 +44,6 @@ def pytest_configure(config):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` run only where JAX's default backend is a GPU."""
-    gpu_items = [it for it in items if it.get_closest_marker("gpu")]
-    if not gpu_items:
-        return
-    import jax
-    import pytest
-
-    if jax.default_backend() != "gpu":
-        skip = pytest.mark.skip(reason="needs a GPU (JAX default backend is not gpu)")
-        for it in gpu_items:
-            it.add_marker(skip)
-
-
 def pytest_unconfigure(config):
     for d in _MADE:
         shutil.rmtree(d, ignore_errors=True)

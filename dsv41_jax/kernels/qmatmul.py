@@ -112,21 +112,12 @@ def _check(x, block_group, codes, scale, bm):
 
 
 def grouped_qmatmul_reference(x, block_group, n_blocks, codes, scale=None, *, bm: int,
-                              out_dtype=None, mult: float | None = None, act_quant: bool = False,
-                              compute_dtype=None):
-    """XLA reference: dequantize each row block's group to the compute dtype (``compute_dtype``,
-    default ``x.dtype``), one einsum with fp32 accumulation (``HIGHEST`` for fp32 operands), zeros
-    for blocks ``>= n_blocks``. ``act_quant``: ``x`` first goes through ``quant.act_quant_fp8``
-    (fp32, per 32 inputs), as the reference does before an fp8 GEMM."""
+                              out_dtype=None, mult: float | None = None):
+    """XLA reference: dequantize each row block's group to ``x.dtype``, one einsum with fp32
+    accumulation (``HIGHEST`` for fp32 operands), zeros for blocks ``>= n_blocks``."""
     codes, scale = _grouped(codes, scale)
     R, K, G, O = _check(x, block_group, codes, scale, bm)
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    cd = x.dtype if compute_dtype is None else jnp.dtype(compute_dtype)
-    if act_quant:
-        from dsv41_jax.quant import act_quant_fp8
-
-        x = act_quant_fp8(x.astype(F32), QBLOCK)
-    x = x.astype(cd)
     nb = R // bm
     bg = jnp.clip(block_group.astype(jnp.int32), 0, G - 1)
     w = dequantize(codes[bg], None if scale is None else scale[bg], x.dtype, mult)  # [nb, O, K]
@@ -158,12 +149,7 @@ class Config:
     (``w [bo, bk] . x^T [bk, tm]`` -> ``[bo, tm]``, transposed once before the store): the
     weights can then stay in registers as the MMA's A operand instead of being written to
     shared memory as its B operand; the same products and fp32 sums (the default for prefill
-    blocks: 6-7% faster there; 1-14% slower for decode GEMVs). ``dequant``: how scaled codes
-    become values: ``"cvt"`` (the converter instructions Triton emits for ``astype``: int8 -> fp32
-    is a quarter-rate conversion on Hopper) or ``"bits"`` (inline PTX that builds the values from
-    the code bytes with byte permutes, one fp32 subtract and the scale multiply, see
-    ``_BITS_ASM``; bf16 / fp32 compute only, compiled kernels only: the interpreter uses
-    ``"cvt"``). Both give the same values (tested)."""
+    blocks: 6-7% faster there; 1-14% slower for decode GEMVs)."""
     mode: str
     tm: int
     bo: int
@@ -176,7 +162,6 @@ class Config:
     splitk: int = 1
     lowp_dequant: bool = False
     wlhs: bool = False
-    dequant: str = "cvt"
 
 
 # split-K target: about this many programs in flight (4 per SM of a 132-SM H200)
@@ -218,7 +203,7 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 # --grid wlhs). ``num_warps`` None: 8 for 128-row tiles, else 4. ``DSV41_QMATMUL_TUNING`` (JSON,
 # e.g. '{"large": {"wlhs": false, "num_warps": 8}}') overrides fields for tuning on other GPUs.
 TUNING = {
-    "small": dict(mode="dot", bo=64, bk=128, num_warps=4, num_stages=3, dequant="bits"),
+    "small": dict(mode="dot", bo=64, bk=128, num_warps=4, num_stages=3),
     "large": dict(mode="dot", bo=128, bk=64, num_warps=4, num_stages=3, wlhs=True),
 }
 
@@ -267,69 +252,11 @@ def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb:
     cfg["bk"] = _largest_pow2_divisor(K // cfg["splitk"], cfg["bk"])
     if scaled and cfg["bk"] < QBLOCK:
         raise ValueError(f"grouped_qmatmul: K={K} has no power-of-two step >= {QBLOCK}")
-    if cfg.get("dequant", "cvt") not in ("cvt", "bits"):
-        raise ValueError(f"grouped_qmatmul: dequant {cfg['dequant']!r} (use cvt or bits)")
     if cfg.get("wlhs") and cfg["mode"] != "dot":
         raise ValueError("grouped_qmatmul: wlhs applies to the dot mode only")
     if cfg["tm"] < bm or cfg["tm"] & (cfg["tm"] - 1):
         raise ValueError(f"grouped_qmatmul: tm={cfg['tm']} must be a power of two >= bm={bm}")
     return Config(**cfg)
-
-
-# ------------------------------------------------------------------------------ bit-level dequant
-# Inline PTX for ``Config.dequant == "bits"``, one instance per 4 codes (``pack=4``): $N operands
-# are the outputs first, then the inputs: the 4 code bytes in one 32-bit register (element j in
-# byte j) and the 4 fp32 scales (mult included). Every step is exact, so the result equals
-# ``codes.astype(f32) * scale`` (rounded to bf16 for the "bf16" form):
-#   int8: byte ^ 0x80 into the low byte of 0x4B000000 is the fp32 2^23 + 128 + code; subtracting
-#         2^23 + 128 leaves the code. The bf16 form keeps the high half of each fp32 product
-#         (a code has at most 8 significant bits, a power-of-two scale adds none: the low half is
-#         zero, so truncation is exact for any scale byte).
-#   e4m3: the byte moved to the top of a word and shifted right by 4 (arithmetically, then masked)
-#         puts the sign at bit 31 and exponent/mantissa at bits 26..20: the fp32 2^-120 x value,
-#         subnormal codes included; times 2^120, times the scale. bf16 form as above: exact while
-#         the product is a normal number or a subnormal on bf16's grid (scale bytes >= 3).
-# NaN codes (e4m3 0x7F / 0xFF) come out finite; checkpoints hold none.
-_PACK_BF16 = "prmt.b32 $0, f0, f1, 0x7632;\nprmt.b32 $1, f2, f3, 0x7632;\n"
-_BITS_ASM = {
-    "int8": "xor.b32 t, {c}, 0x80808080;\n"
-            + "".join(f"prmt.b32 f{j}, t, 0x4B000000, 0x765{j};\n" for j in range(4))
-            + "".join(f"sub.f32 f{j}, f{j}, 0f4B000080;\n" for j in range(4)),
-    "e4m3": "".join(f"prmt.b32 f{j}, {{c}}, 0, 0x{j}444;\n" for j in range(4))
-            + "".join(f"shr.s32 f{j}, f{j}, 4;\n" for j in range(4))
-            + "".join(f"and.b32 f{j}, f{j}, 0x87F00000;\n" for j in range(4))
-            + "".join(f"mul.f32 f{j}, f{j}, 0f7B800000;\n" for j in range(4)),
-}
-
-
-def bits_asm(kind: str, out: str) -> tuple[str, str]:
-    """(asm, constraints) of the bit-level dequant of 4 ``kind`` ("int8" / "e4m3") codes into 4
-    ``out`` ("bf16": two bf16x2 registers, or "f32": four registers) values."""
-    nout = 2 if out == "bf16" else 4
-    c = f"${nout}"
-    body = _BITS_ASM[kind].replace("{c}", c)
-    body += "".join(f"mul.f32 f{j}, f{j}, ${nout + 1 + j};\n" for j in range(4))
-    body += _PACK_BF16 if out == "bf16" else "".join(f"mov.b32 ${j}, f{j};\n" for j in range(4))
-    asm = "{\n.reg .b32 t, f0, f1, f2, f3;\n" + body + "}"
-    return asm, ",".join(["=r"] * nout + ["r"] * 5)
-
-
-def _bits_dequant(c, sv, out_dtype):
-    """Values of the code tile ``c`` (int8 / float8_e4m3fn) times the fp32 scales ``sv`` (same
-    shape), as ``out_dtype`` (bf16 / fp32), by the inline PTX above (compiled kernels only)."""
-    from jax.experimental.pallas import triton as plgpu
-
-    kind = "int8" if c.dtype == jnp.int8 else "e4m3"
-    asm, constraints = bits_asm(kind, "bf16" if out_dtype == jnp.bfloat16 else "f32")
-    (w,) = plgpu.elementwise_inline_asm(asm, args=[c, sv], constraints=constraints, pack=4,
-                                        result_shape_dtypes=[jax.ShapeDtypeStruct(c.shape, out_dtype)])
-    return w
-
-
-def bits_ok(codes_dtype, cd) -> bool:
-    """Whether ``Config.dequant == "bits"`` applies: int8 / e4m3 codes, bf16 / fp32 compute."""
-    return (jnp.dtype(codes_dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
-            and jnp.dtype(cd) in (jnp.dtype(jnp.bfloat16), jnp.dtype(F32)))
 
 
 # ------------------------------------------------------------------------------ kernel
@@ -346,7 +273,7 @@ def _store(ref, val, mask):
 
 
 def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, O: int, K: int,
-            scaled: bool, mult: float, cd, out_dtype, bits: bool = False, act_quant: bool = False):
+            scaled: bool, mult: float, cd, out_dtype):
     from jax.experimental import pallas as pl
 
     s_ref, o_ref = rest if scaled else (None, rest[0])
@@ -383,20 +310,6 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
     prec = lax.Precision.HIGHEST if cd == F32 else None
     dims = (((1,), (1,)), ((), ()))
 
-    def xin(xt):  # an x tile [tm, n] or [tm, nkb, 32] as compute-dtype values (act-quantized first)
-        if act_quant:
-            from dsv41_jax.quant import act_quant_fp8_groups
-
-            shape = xt.shape
-            xt = act_quant_fp8_groups(xt.astype(F32).reshape(tm, -1, QBLOCK)).reshape(shape)
-        return xt.astype(cd)
-
-    def deq(c, s, out):  # codes [bo, nkb, 32] x their scales [bo, nkb] -> fp32 (or `out` with bits)
-        sv = scale_values(s, mult)[:, :, None]
-        if bits:
-            return _bits_dequant(c, jnp.broadcast_to(sv, c.shape), out)
-        return c.astype(F32) * sv
-
     def dot(a, w):  # a [tm, kk], w [bo, kk] -> [tm, bo] fp32 ([bo, tm] with wlhs)
         lhs, rhs = (w, a) if cfg.wlhs else (a, w)
         return lax.dot_general(lhs.astype(cd), rhs.astype(cd), dims, precision=prec, preferred_element_type=F32)
@@ -409,7 +322,7 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
             k0 = pl.multiple_of(kbase + kk * bk, bk)
             if not scaled:
                 w = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(k0, bk)], omask)             # [bo, bk]
-                xt = xin(_load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask))         # [tm, bk]
+                xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask)              # [tm, bk]
                 if cfg.mode == "dot":
                     return acc + dot(xt, w)
                 wf = w.astype(cd).astype(F32)
@@ -420,31 +333,29 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
             if cfg.mode == "reduce" and cfg.acc:
                 c = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb), :], omask[:, :, None])  # [bo, nkb, 32]
                 s = _load(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb)], omask)               # [bo, nkb]
-                xt = xin(_load(x_ref.at[pl.ds(r0, tm), pl.ds(b0, nkb), :], rmask[:, :, None]))  # [tm, nkb, 32]
-                w = deq(c, s, F32)
+                xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(b0, nkb), :], rmask[:, :, None])  # [tm, nkb, 32]
+                w = c.astype(F32) * scale_values(s, mult)[:, :, None]
                 return acc + xt.astype(F32)[:, None] * w[None]                             # [tm, bo, nkb, 32]
             if cfg.mode == "reduce":
                 c = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb), :], omask[:, :, None])  # [bo, nkb, 32]
                 s = _load(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb)], omask)               # [bo, nkb]
-                xt = xin(_load(x_ref.at[pl.ds(r0, tm), pl.ds(b0, nkb), :], rmask[:, :, None]))  # [tm, nkb, 32]
+                xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(b0, nkb), :], rmask[:, :, None])  # [tm, nkb, 32]
                 part = jnp.sum(xt.astype(F32)[:, None] * c.astype(F32)[None], axis=-1)    # [tm, bo, nkb]
                 return acc + jnp.sum(part * scale_values(s, mult)[None], axis=-1)
             if cfg.split:  # one 32-wide scale block at a time: 2-D tiles only
                 for i in range(nkb):
                     c = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(k0 + i * QBLOCK, QBLOCK)], omask)  # [bo, 32]
                     s = _load(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0 + i, 1)], omask)             # [bo, 1]
-                    xt = xin(_load(x_ref.at[pl.ds(r0, tm), pl.ds(k0 + i * QBLOCK, QBLOCK)], rmask))
+                    xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0 + i * QBLOCK, QBLOCK)], rmask)
                     acc = acc + dot(xt, c.astype(F32) * scale_values(s, mult))
                 return acc
             c = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb), :], omask[:, :, None])     # [bo, nkb, 32]
             s = _load(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0, nkb)], omask)                  # [bo, nkb]
-            if bits:
-                w = deq(c, s, cd).reshape(bo, bk)
-            elif cfg.lowp_dequant and cd != F32:  # codes and the power-of-two scale in cd: exact products
+            if cfg.lowp_dequant and cd != F32:  # codes and the power-of-two scale in cd: exact products
                 w = (c.astype(cd) * scale_values(s, mult).astype(cd)[:, :, None]).reshape(bo, bk)
             else:
-                w = deq(c, s, F32).reshape(bo, bk)
-            xt = xin(_load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask))
+                w = (c.astype(F32) * scale_values(s, mult)[:, :, None]).reshape(bo, bk)
+            xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask)
             return acc + dot(xt, w)
 
         if cfg.mode == "reduce" and cfg.acc:
@@ -463,8 +374,7 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
         put(jnp.zeros((tm, bo), F32))
 
 
-def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg: Config, interpret: bool,
-            act_quant: bool = False, compute_dtype=None):
+def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg: Config, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -472,7 +382,7 @@ def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg:
     G, O, _ = codes.shape
     scaled = scale is not None
     nb = R // bm
-    cd = x.dtype if compute_dtype is None else jnp.dtype(compute_dtype)
+    cd = x.dtype
     args = [jnp.asarray(n_blocks, jnp.int32).reshape(1), block_group.astype(jnp.int32)]
     if scaled and not (cfg.mode == "dot" and cfg.split):
         # 32-input scale blocks as their own axis (free views of contiguous arrays)
@@ -481,10 +391,8 @@ def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg:
     else:
         codes_v, x_v = codes, x
     args += [x_v, codes_v] + ([scale] if scaled else [])
-    bits = (cfg.dequant == "bits" and scaled and not interpret and not (cfg.mode == "dot" and cfg.split)
-            and bits_ok(codes.dtype, cd))
     kernel = functools.partial(_kernel, cfg=cfg, bm=bm, nb=nb, O=O, K=K, scaled=scaled, mult=mult, cd=cd,
-                               out_dtype=out_dtype, bits=bits, act_quant=act_quant and K % QBLOCK == 0)
+                               out_dtype=out_dtype)
     grid = (pl.cdiv(O, cfg.bo) * nb,) if cfg.group_rows else (pl.cdiv(O, cfg.bo), nb, cfg.splitk)
     out_shape = (jax.ShapeDtypeStruct((cfg.splitk, R, O), F32) if cfg.splitk > 1
                  else jax.ShapeDtypeStruct((R, O), out_dtype))
@@ -525,28 +433,18 @@ def kernel_impl(impl: str = "auto") -> str:
 
 
 def grouped_qmatmul(x, block_group, n_blocks, codes, scale=None, *, bm: int, out_dtype=None,
-                    mult: float | None = None, impl: str = "auto", mode: str = "auto", act_quant: bool = False,
-                    compute_dtype=None, **tiles):
+                    mult: float | None = None, impl: str = "auto", mode: str = "auto", **tiles):
     """``x`` [R, K] times the weight of group ``block_group[j]`` for every ``bm``-row block ``j``.
 
     ``codes`` [G, O, K] (or [O, K]): int8 / float8_e4m3fn codes with ``scale`` [G, O, K // 32]
     uint8 ue8m0 bytes, or plain float weights with ``scale=None``; the compute dtype is
-    ``compute_dtype`` (default ``x.dtype``; weights and x are cast to it), accumulation fp32,
-    result ``out_dtype`` (default ``x.dtype``) [R, O]; blocks ``>= n_blocks`` are zeros.
-    ``act_quant``: x goes through the fp8 per-32 activation quantization first (the reference's
-    ``act_quant`` before an fp8 GEMM; identity when K % 32 != 0): the kernel does it on each x
-    tile it loads, so no quantized copy of x is written (one kernel instead of three at decode);
-    ``DSV41_QMATMUL_ACT_QUANT=xla`` quantizes with XLA ops before the kernel instead (A/B runs).
-    ``mode`` / ``tiles`` (``Config`` fields) tune the kernel; see the module docstring."""
+    ``x.dtype`` (weights are dequantized to it), accumulation fp32, result ``out_dtype``
+    (default ``x.dtype``) [R, O]; blocks ``>= n_blocks`` are zeros. ``mode`` / ``tiles``
+    (``Config`` fields) tune the kernel; see the module docstring."""
     codes, scale = _grouped(codes, scale)
     R, K, G, O = _check(x, block_group, codes, scale, bm)
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     mult = default_mult(codes.dtype) if mult is None else float(mult)
-    if act_quant and os.environ.get("DSV41_QMATMUL_ACT_QUANT", "fused") == "xla":  # A/B switch: XLA ops first
-        from dsv41_jax.quant import act_quant_fp8
-
-        x = act_quant_fp8(x.astype(F32), QBLOCK).astype(x.dtype if compute_dtype is None else compute_dtype)
-        act_quant = False
     requested, impl = impl, kernel_impl(impl)
     if impl == "triton" and not (offsets_fit(codes.shape, codes.dtype) and offsets_fit(x.shape, x.dtype)):
         if requested == "triton":
@@ -554,8 +452,8 @@ def grouped_qmatmul(x, block_group, n_blocks, codes, scale=None, *, bm: int, out
                              "lowering addresses with overflowing 32-bit offsets (see offsets_fit)")
         impl = "xla"
     if impl == "xla":
-        return grouped_qmatmul_reference(x, block_group, n_blocks, codes, scale, bm=bm, out_dtype=out_dtype,
-                                         mult=mult, act_quant=act_quant, compute_dtype=compute_dtype)
+        return grouped_qmatmul_reference(x, block_group, n_blocks, codes, scale, bm=bm,
+                                         out_dtype=out_dtype, mult=mult)
     cfg = choose_config(bm, O, K, scale is not None, mode, nb=R // bm, **tiles)
     return _pallas(x, block_group, n_blocks, codes, scale, bm=bm, out_dtype=out_dtype, mult=mult, cfg=cfg,
-                   interpret=impl == "interpret", act_quant=act_quant, compute_dtype=compute_dtype)
+                   interpret=impl == "interpret")

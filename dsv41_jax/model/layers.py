@@ -67,32 +67,26 @@ def _use_kernel() -> bool:
     return use_pallas() and not auto_split("tensor")
 
 
-def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype, act_quant: bool = False):
+def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
     """``fp8_matmul`` through ``dsv41_jax.kernels.grouped_qmatmul`` (one group, G=1): the codes
     are dequantized in registers, never written out. Same operands and rounding points as the
     XLA path (the kernel's compute dtype is the one ``matmul`` would use); only the fp32
     summation order differs. Up to 16 rows form one row block (decode: one read of the weight),
-    more rows are cut into 64-row blocks. ``act_quant``: ``x`` goes through the fp8 activation
-    quantization inside the kernel (``Linear``'s reference-numerics path: the same values as
-    ``act_quant_fp8(x)`` cast to ``weight_dtype``, without writing them out)."""
+    more rows are cut into 64-row blocks."""
     from dsv41_jax.kernels import grouped_qmatmul
 
     cd = out_dtype if compute_dtype is None else compute_dtype
-    xdt = weight_dtype if act_quant else x.dtype  # the dtype x reaches the GEMM in
-    if cd == F32 and xdt == jnp.bfloat16 and weight_dtype == jnp.bfloat16:
+    if cd == F32 and x.dtype == jnp.bfloat16 and weight_dtype == jnp.bfloat16:
         cd = jnp.bfloat16  # bf16 x bf16 products are exact in fp32: matmul's bf16 GEMM, fp32 accumulation
     lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if not act_quant:
-        x2 = x2.astype(cd)
+    x2 = x.reshape(-1, K).astype(cd)
     R = x2.shape[0]
     bm = max(R, 1) if R <= 16 else 64
     pad = -R % bm
     if pad:
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
     nb = (R + pad) // bm
-    y = grouped_qmatmul(x2, jnp.zeros((nb,), jnp.int32), nb, codes, scale, bm=bm, out_dtype=out_dtype,
-                        act_quant=act_quant, compute_dtype=cd)
+    y = grouped_qmatmul(x2, jnp.zeros((nb,), jnp.int32), nb, codes, scale, bm=bm, out_dtype=out_dtype)
     return y[:R].reshape(*lead, codes.shape[0])
 
 
@@ -158,10 +152,7 @@ class Linear(nnx.Module):
 
     def __call__(self, x, out_dtype=None, compute_dtype=None):
         od = self.numerics.dtype if out_dtype is None else out_dtype
-        if self.quantized and self.numerics.fake_quant and self.fp8 and _use_kernel():
-            # the activation quantization happens inside the fused dequant-GEMM kernel
-            y = fp8_matmul_kernel(x, self.weight[...], self.scale[...], od, F32, self.param_dtype, act_quant=True)
-        elif self.quantized and self.numerics.fake_quant:
+        if self.quantized and self.numerics.fake_quant:
             from dsv41_jax.quant import act_quant_fp8
 
             # e4m3 x power-of-two values are exact in bf16, so a bf16 weight keeps the bf16 GEMM

@@ -141,19 +141,12 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, numerics, experts_int8)
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, numerics)
 
-    def _aq_spec(self):
-        """(whether the routed GEMMs' inputs go through the fp8 activation quantization, the dtype
-        they are multiplied in)."""
+    def _aq(self, x):
         if self.experts.quantized and self.numerics.fake_quant:
             # e4m3 x 2^k activations are exact in the (bf16) weight dtype: same products, fp32 accumulation
-            return True, self.numerics.dtype if self.experts.w1.int8 else self.experts.w1.weight.get_value().dtype
-        return False, self.numerics.dtype
-
-    def _aq(self, x):
-        aq, cd = self._aq_spec()
-        if aq:
-            return quant.act_quant_fp8(x.astype(F32), 32).astype(cd), cd
-        return x, cd
+            wdt = self.numerics.dtype if self.experts.w1.int8 else self.experts.w1.weight.get_value().dtype
+            return quant.act_quant_fp8(x.astype(F32), 32).astype(wdt), wdt
+        return x, self.numerics.dtype
 
     def routed_dense(self, x, w, ids):
         """Every expert on every token, weights zero off the selection (exact; small E or T)."""
@@ -277,34 +270,35 @@ class MoE(nnx.Module):
         naming its expert (GEMV). Otherwise the pairs are sorted into ``routed_grouped``'s block
         layout (GEMM per block). Rounding points as ``routed_dense``; only fp32 summation orders
         differ. On a GPU the kernel is the Triton one; elsewhere its XLA reference (or the Pallas
-        interpreter with ``DSV41_QMATMUL_IMPL=interpret``). The fp8 activation quantization
-        (``_aq``) happens inside the kernel, on each x tile it loads (``act_quant``)."""
+        interpreter with ``DSV41_QMATMUL_IMPL=interpret``)."""
         from dsv41_jax.kernels import grouped_qmatmul
 
         dt = self.numerics.dtype
         ex = self.experts
         T, k = ids.shape
         N = T * k
-        aq, cd = self._aq_spec()
 
         def qmm(a, blocks, n, p, bm):
             return grouped_qmatmul(a, blocks, n, p.weight[...], p.scale[...] if p.int8 else None,
-                                   bm=bm, out_dtype=dt, act_quant=aq, compute_dtype=cd)
+                                   bm=bm, out_dtype=dt)
 
+        xa, cd = self._aq(x)
         if N < self.n_experts:
             blocks = ids.reshape(-1).astype(jnp.int32)
-            xs = jnp.repeat(x, k, axis=0)  # row t*k + s: token t, slot s
+            xs = jnp.repeat(xa.astype(cd), k, axis=0)  # row t*k + s: token t, slot s
             g = qmm(xs, blocks, N, ex.w1, 1)
             u = qmm(xs, blocks, N, ex.w3, 1)
             h = (w.reshape(-1, 1) * swiglu(g, u, self.limit)).astype(dt)
-            y = qmm(h, blocks, N, ex.w2, 1)
+            ha, cd2 = self._aq(h)
+            y = qmm(ha.astype(cd2), blocks, N, ex.w2, 1)
             return jnp.sum(y.reshape(T, k, -1).astype(F32), axis=1)
         c = pallas_chunk(N, self.n_experts)
-        xs, ws, row_of_pair, NC, blocks, n_used = self._dispatch(x, w, ids, c, x.dtype)
+        xs, ws, row_of_pair, NC, blocks, n_used = self._dispatch(xa, w, ids, c, cd)
         g = qmm(xs, blocks, n_used, ex.w1, c)
         u = qmm(xs, blocks, n_used, ex.w3, c)
         h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
-        y = qmm(h, blocks, n_used, ex.w2, c)
+        ha, cd2 = self._aq(h)
+        y = qmm(ha.astype(cd2), blocks, n_used, ex.w2, c)
         return combine_pairs(y, row_of_pair, T, k)
 
     def _path(self, T: int, k: int) -> str:
