@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import weakref
 from typing import Any, Iterator, Sequence
 
 import jax
@@ -46,10 +47,19 @@ FINISH_REASONS = {1: "stop", 2: "length"}
 class FlatGraph:
     """A model's graph with the pytree structure of its state: the jitted generation functions
     take the state as the flat list of its arrays (a list flattens in C++; an ``nnx.State`` of a
-    full model costs milliseconds of Python per call) and rebuild it inside the trace."""
+    full model costs milliseconds of Python per call) and rebuild it inside the trace. The hash
+    is computed once (hashing a GraphDef walks it: ~18 ms for the 40-layer model on a 2-core
+    machine, paid on every executable lookup otherwise)."""
 
     graphdef: Any
     treedef: Any
+
+    def __hash__(self):
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.graphdef, self.treedef))
+            object.__setattr__(self, "_hash", h)
+        return h
 
 
 def _merge(graphdef, state):
@@ -78,17 +88,50 @@ def _split(model):
     return graphdef, state
 
 
+class _Split:
+    """A model split once for generation: its ``FlatGraph`` and its Variables in state order.
+
+    ``nnx.split`` walks the whole module graph (~100 ms for the 40-layer model on a 2-core
+    machine: docs/performance.md run 16), which ``generate`` used to pay on every call. Each call
+    now reads the current value of every Variable instead (weights replaced in place, by a loader,
+    ``nnx.update`` or the sharding helpers, are seen). A model's structure (its submodules,
+    Variable objects and static attributes) is fixed at its first generation call; after changing
+    it, call :func:`forget` (or build a new model). The vision tower follows the same contract."""
+
+    def __init__(self, model):
+        graphdef, state = nnx.split(model)
+        by_path = {p: v for p, v in nnx.iter_graph(model) if isinstance(v, nnx.Variable)}
+        self.variables = [by_path[p] for p, _ in state.flat_state()]
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        if len(leaves) != len(self.variables) or any(a is not v.get_value() for a, v in zip(leaves, self.variables)):
+            raise RuntimeError("generate: the split state does not list the model's Variables in path order")
+        self.graph = FlatGraph(graphdef, treedef)
+
+    def leaves(self) -> list:
+        return [v.get_value() for v in self.variables]
+
+
+_SPLITS: "weakref.WeakKeyDictionary[nnx.Module, _Split]" = weakref.WeakKeyDictionary()
+
+
+def forget(model) -> None:
+    """Drop the generation view cached for ``model`` (call after changing its structure)."""
+    _SPLITS.pop(model, None)
+
+
 def _split_flat(model):
-    """(FlatGraph, list of state arrays): the calling convention of the generation executables."""
-    graphdef, state = nnx.split(model)
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-    return FlatGraph(graphdef, treedef), leaves
+    """(FlatGraph, list of state arrays): the calling convention of the generation executables
+    (the graph from the model's cached ``_Split``, the arrays read now)."""
+    split = _SPLITS.get(model)
+    if split is None:
+        split = _SPLITS[model] = _Split(model)
+    return split.graph, split.leaves()
 
 
 def forward_chunk(model, ids, cache, *, valid=None, inputs_embeds=None, image_mask=None, engram_hashes=None,
                   jit: bool = True):
     """Run a chunk of tokens (prefill chunk or one decode token) against ``cache``."""
-    graphdef, state = _split(model)
+    graphdef, state = _split_flat(model)
     ids = jnp.asarray(ids, jnp.int32)
     if valid is None:
         valid = jnp.ones(ids.shape, bool)

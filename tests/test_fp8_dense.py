@@ -362,3 +362,37 @@ if __name__ == "__main__":
     import sys
 
     _child(sys.argv[1])
+
+
+def test_kernel_route_row_limit(monkeypatch):
+    """Above ``fp8_kernel_max_rows()`` rows (prefill) an fp8 Linear on the kernel path takes the
+    XLA dequantize + GEMM route (bit-identical to ``DSV41_KERNELS=xla``); the environment moves the
+    limit, and a bad value is one clear error."""
+    from dsv41_jax.model import layers
+
+    rng = np.random.default_rng(4)
+    lin = Linear(96, 64, numerics=Numerics("bfloat16", "fast"))
+    lin.set_fp8()
+    c = rng.integers(0, 256, (64, 96), dtype=np.uint8)
+    c[(c & 0x7F) == 0x7F] = 0
+    lin.weight.set_value(jnp.asarray(c.view(ml_dtypes.float8_e4m3fn)))
+    lin.scale.set_value(jnp.asarray(rng.integers(110, 130, (64, 3), dtype=np.uint8)))
+    x = jnp.asarray(rng.standard_normal((2, 150, 96)), jnp.bfloat16)  # 300 rows > 256
+    monkeypatch.setenv("DSV41_KERNELS", "xla")
+    want = np.asarray(lin(x, out_dtype=jnp.float32))
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("DSV41_KERNELS", "pallas")
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    calls = []
+    real = layers.fp8_matmul_kernel
+    monkeypatch.setattr(layers, "fp8_matmul_kernel", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert layers.fp8_kernel_max_rows() == layers.FP8_KERNEL_MAX_ROWS == 256
+    np.testing.assert_array_equal(np.asarray(lin(x, out_dtype=jnp.float32)), want)
+    assert not calls
+    monkeypatch.setenv("DSV41_FP8_KERNEL_MAX_ROWS", "300")
+    got = np.asarray(lin(x, out_dtype=jnp.float32))
+    assert calls and not np.array_equal(got, want)  # the kernel ran: a different fp32 summation order
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    monkeypatch.setenv("DSV41_FP8_KERNEL_MAX_ROWS", "many")
+    with pytest.raises(ValueError, match="DSV41_FP8_KERNEL_MAX_ROWS"):
+        lin(x)

@@ -238,3 +238,30 @@ def test_executables_take_the_state_as_a_flat_list(model, prompts):
     for a, b in zip(jax.tree_util.tree_leaves(nnx.state(merged)), jax.tree_util.tree_leaves(st)):
         assert a is b or np.array_equal(np.asarray(a), np.asarray(b))
     hash(fg)  # the executable cache key
+
+
+def test_split_once_per_model_and_weights_read_per_call(model, prompts, greedy):
+    """``generate`` splits a model once (``_Split``) and reads the Variables' current values on
+    every call: a weight replaced in place changes the output exactly as a model built with that
+    weight does; ``forget`` drops the cached view."""
+    from flax import nnx
+
+    fg1, leaves1 = G._split_flat(model)
+    fg2, leaves2 = G._split_flat(model)
+    assert fg1 is fg2 and all(a is b for a, b in zip(leaves1, leaves2))
+    head = model.head.weight
+    old = head.get_value()
+    other = nnx.clone(model)  # same structure and values, its own Variables
+    new = old[::-1]  # another valid head: the rows of the vocabulary reversed
+    try:
+        head.set_value(new)
+        assert G._split_flat(model)[1][[i for i, a in enumerate(leaves1) if a is old][0]] is new
+        changed = G.generate(model, prompts, max_new_tokens=NEW, stop_ids=(), buckets=BK).tokens
+        other.head.weight.set_value(new)
+        want = G.generate(other, prompts, max_new_tokens=NEW, stop_ids=(), buckets=BK).tokens
+        assert changed == want and changed != greedy.tokens
+    finally:
+        head.set_value(old)
+    assert G.generate(model, prompts, max_new_tokens=NEW, stop_ids=(), buckets=BK).tokens == greedy.tokens
+    G.forget(model)
+    assert G._split_flat(model)[0] is not fg1 and G._split_flat(model)[0] == fg1

@@ -1,6 +1,9 @@
 """Shared building blocks: Linear (checkpoint [out, in] layout), RMSNorm, exact matmul helper."""
 from __future__ import annotations
 
+import math
+import os
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -90,14 +93,34 @@ def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
     return y[:R].reshape(*lead, codes.shape[0])
 
 
+# rows above which an fp8 Linear on the kernel path dequantizes its weight (one matrix, transient)
+# and runs XLA's GEMM instead of the fused kernel: prefill-sized inputs are bound by matrix
+# throughput, where XLA's bf16 GEMM beats the Pallas kernel's blocks (docs/performance.md run 16),
+# and the dequantized copy costs 3 bytes of traffic per weight against 2 x rows FLOPs
+FP8_KERNEL_MAX_ROWS = 256
+
+
+def fp8_kernel_max_rows() -> int:
+    """``FP8_KERNEL_MAX_ROWS``, or ``DSV41_FP8_KERNEL_MAX_ROWS`` when set (read at trace time)."""
+    env = os.environ.get("DSV41_FP8_KERNEL_MAX_ROWS")
+    if env is None:
+        return FP8_KERNEL_MAX_ROWS
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"DSV41_FP8_KERNEL_MAX_ROWS={env!r}: expected an integer row count") from None
+
+
 def fp8_matmul(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
     """``x @ W.T`` for an fp8-stored weight (codes [out, in] + ue8m0 bytes [out, in/32]).
 
     The one call site of the fused dequant-GEMM kernel: where ``kernels.use_pallas()`` (by default
-    on Hopper-class GPUs) it runs ``fp8_matmul_kernel``. The default XLA path dequantizes to ``weight_dtype`` (the dtype the
-    bf16 loader would have stored) and runs the plain ``matmul``: bit-identical to the model
-    loaded with dequantized weights."""
-    if _use_kernel():
+    on Hopper-class GPUs) and ``x`` has at most ``fp8_kernel_max_rows()`` rows (decode) it runs
+    ``fp8_matmul_kernel``. Otherwise (CPU, prefill) the XLA path dequantizes to ``weight_dtype``
+    (the dtype the bf16 loader would have stored; one transient matrix) and runs the plain
+    ``matmul``: bit-identical to the model loaded with dequantized weights."""
+    rows = math.prod(x.shape[:-1])
+    if _use_kernel() and rows <= fp8_kernel_max_rows():
         return fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype)
     w = dequant_fp8_weight(codes, scale, weight_dtype)
     return matmul(x, w, out_dtype, compute_dtype=compute_dtype)
