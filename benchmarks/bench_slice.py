@@ -68,7 +68,9 @@ def emit(**kw):
     _emit_row(**kw)
 
 
-def bench(fn, *args, warmup=2, iters=5):
+def bench(fn, *args, warmup=2, iters=5, times=None):
+    """Median seconds of ``iters`` calls (after ``warmup``); ``times``: a list that receives every
+    call's seconds."""
     out = None
     for _ in range(warmup):
         out = fn(*args)
@@ -79,15 +81,22 @@ def bench(fn, *args, warmup=2, iters=5):
         out = fn(*args)
         jax.block_until_ready(out)
         ts.append(time.perf_counter() - t)
+    if times is not None:
+        times.extend(ts)
     return float(np.median(ts)), out
 
 
 def ceilings():
+    """The copy and bf16-matmul ceilings. The copy ceiling (median of 20 host-timed 1 GiB copies)
+    read 2.04-2.61 TB/s across the processes of one session (docs/performance.md run 16); the row
+    also gives the fastest and slowest of the 20 so the spread inside a process shows."""
     x = jnp.ones((1 << 30) // 2, jnp.bfloat16)  # 1 GiB
     f = jax.jit(lambda a: a * 2)
-    t, _ = bench(f, x, warmup=5, iters=20)
+    ts = []
+    t, _ = bench(f, x, warmup=5, iters=20, times=ts)
     copy = 2 * x.nbytes / t / 1e12
-    emit(what="ceiling_copy", bytes=2 * x.nbytes, seconds=t, tb_per_s=copy)
+    emit(what="ceiling_copy", bytes=2 * x.nbytes, seconds=t, tb_per_s=copy,
+         tb_per_s_fastest=2 * x.nbytes / min(ts) / 1e12, tb_per_s_slowest=2 * x.nbytes / max(ts) / 1e12)
     a = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
     g = jax.jit(lambda a, b: a @ b)
     t, _ = bench(g, a, a)

@@ -358,12 +358,6 @@ def _child(dst):
     print("RESULT " + json.dumps({"n_fp8": len(lin_q), "split_scales": int(split), "bad": bad}))
 
 
-if __name__ == "__main__":
-    import sys
-
-    _child(sys.argv[1])
-
-
 def test_kernel_route_row_limit(monkeypatch):
     """Above ``fp8_kernel_max_rows()`` rows (prefill) an fp8 Linear on the kernel path takes the
     XLA dequantize + GEMM route (bit-identical to ``DSV41_KERNELS=xla``); the environment moves the
@@ -396,3 +390,9 @@ def test_kernel_route_row_limit(monkeypatch):
     monkeypatch.setenv("DSV41_FP8_KERNEL_MAX_ROWS", "many")
     with pytest.raises(ValueError, match="DSV41_FP8_KERNEL_MAX_ROWS"):
         lin(x)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _child(sys.argv[1])
