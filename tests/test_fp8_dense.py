@@ -67,6 +67,18 @@ def test_row_scales_and_dequant_equal_the_block_decoder():
             fp8_row_scales(np.full((3, 4), bad, np.uint8), o, i)
 
 
+def _random_fp8_linear(rng):
+    """A 96 -> 64 fp8-stored Linear (bf16 fast numerics) with random e4m3 codes (no NaN codes)
+    and scale bytes 110..129."""
+    lin = Linear(96, 64, numerics=Numerics("bfloat16", "fast"))
+    lin.set_fp8()
+    c = rng.integers(0, 256, (64, 96), dtype=np.uint8)
+    c[(c & 0x7F) == 0x7F] = 0
+    lin.weight.set_value(jnp.asarray(c.view(ml_dtypes.float8_e4m3fn)))
+    lin.scale.set_value(jnp.asarray(rng.integers(110, 130, (64, 3), dtype=np.uint8)))
+    return lin
+
+
 def test_kernel_route(monkeypatch):
     """``DSV41_KERNELS=pallas`` on a GPU backend sends fp8 Linears to ``grouped_qmatmul`` (G=1);
     here the Pallas interpreter stands in for the GPU: same values up to fp32 summation order,
@@ -75,12 +87,7 @@ def test_kernel_route(monkeypatch):
     from dsv41_jax.model import layers
 
     rng = np.random.default_rng(2)
-    lin = Linear(96, 64, numerics=Numerics("bfloat16", "fast"))
-    lin.set_fp8()
-    c = rng.integers(0, 256, (64, 96), dtype=np.uint8)
-    c[(c & 0x7F) == 0x7F] = 0
-    lin.weight.set_value(jnp.asarray(c.view(ml_dtypes.float8_e4m3fn)))
-    lin.scale.set_value(jnp.asarray(rng.integers(110, 130, (64, 3), dtype=np.uint8)))
+    lin = _random_fp8_linear(rng)
     monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
     for rows in (3, 70):
         x = jnp.asarray(rng.standard_normal((1, rows, 96)), jnp.bfloat16)
@@ -365,12 +372,7 @@ def test_kernel_route_row_limit(monkeypatch):
     from dsv41_jax.model import layers
 
     rng = np.random.default_rng(4)
-    lin = Linear(96, 64, numerics=Numerics("bfloat16", "fast"))
-    lin.set_fp8()
-    c = rng.integers(0, 256, (64, 96), dtype=np.uint8)
-    c[(c & 0x7F) == 0x7F] = 0
-    lin.weight.set_value(jnp.asarray(c.view(ml_dtypes.float8_e4m3fn)))
-    lin.scale.set_value(jnp.asarray(rng.integers(110, 130, (64, 3), dtype=np.uint8)))
+    lin = _random_fp8_linear(rng)
     x = jnp.asarray(rng.standard_normal((2, 150, 96)), jnp.bfloat16)  # 300 rows > 256
     monkeypatch.setenv("DSV41_KERNELS", "xla")
     want = np.asarray(lin(x, out_dtype=jnp.float32))
