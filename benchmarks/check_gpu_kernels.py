@@ -1,7 +1,8 @@
 """GPU-side agreement of the Pallas kernels with their XLA references at V4.1 sizes (one JSON
 line per case): the mHC Sinkhorn (relative and per-entry error) and the grouped qmatmul in its
-split-K decode configurations (int8 experts, dense fp8) and its prefill blocks (128-row expert
-blocks, 64-row dense fp8 blocks: the weights-left operand order, against the other order too).
+split-K decode configurations (int8 experts: the "chunk" mode, against the "dot" mode too; dense
+fp8) and its prefill blocks (128-row expert blocks, 64-row dense fp8 blocks: the weights-left
+operand order, against the other order too).
 
     python3 benchmarks/check_gpu_kernels.py
 """
@@ -53,18 +54,20 @@ def main():
         scale = jax.random.randint(k2, (G, O, K // 32), 118, 126).astype(jnp.uint8)
         x = jax.random.normal(k3, (R, K), jnp.float32).astype(jnp.bfloat16)
         bg = jax.random.randint(k4, (R // bm,), 0, G).astype(jnp.int32)
-        cfg = Q.choose_config(bm, O, K, True, nb=R // bm)
+        cfg = Q.choose_config(bm, O, K, True, nb=R // bm, groups=G)
         got = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=jnp.float32, impl="triton"))(
             x, bg, R // bm, codes, scale)
+        dot = dict(mode="dot") if cfg.mode == "chunk" else {}  # the lowp / order variants are "dot" options
         want = jax.jit(lambda *a: Q.grouped_qmatmul_reference(*a, bm=bm, out_dtype=jnp.float32))(
             x, bg, R // bm, codes, scale)
         lowp = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=jnp.float32, impl="triton",
-                                                    lowp_dequant=True))(x, bg, R // bm, codes, scale)
+                                                    lowp_dequant=True, **dot))(x, bg, R // bm, codes, scale)
         f32 = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=jnp.float32, impl="triton",
-                                                   lowp_dequant=False))(x, bg, R // bm, codes, scale)
+                                                   lowp_dequant=False, **dot))(x, bg, R // bm, codes, scale)
         other = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=jnp.float32, impl="triton",
-                                                     wlhs=not cfg.wlhs))(x, bg, R // bm, codes, scale)
-        emit(check="qmatmul", case=name, splitk=cfg.splitk, bk=cfg.bk, wlhs=cfg.wlhs, rel_err=rel(got, want),
+                                                     wlhs=not cfg.wlhs, **dot))(x, bg, R // bm, codes, scale)
+        emit(check="qmatmul", case=name, mode=cfg.mode, splitk=cfg.splitk, bk=cfg.bk, wlhs=cfg.wlhs,
+             rel_err=rel(got, want),
              lowp_rel_err=rel(lowp, want), lowp_vs_f32_max_abs=float(jnp.max(jnp.abs(lowp - f32))),
              other_order_rel_err=rel(other, want))
 

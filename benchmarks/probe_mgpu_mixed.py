@@ -38,11 +38,26 @@ def configs(H):
                              grid_tile_width=4, wg_dimension=dim)
 
 
+def gemv_configs(H, T):
+    """Decode-sized right-hand sides (``T`` <= 64 columns): one N tile, the two warpgroups split M."""
+    for tm, tk, steps in itertools.product((64, 128), (128, 256), (4, 8)):
+        yield H.TuningConfig(tile_m=tm, tile_n=T, tile_k=tk, max_concurrent_steps=steps, epi_tile_n=None,
+                             epi_tile_m=64, grid_minor_dim=H.MatmulDimension.M, grid_tile_width=1,
+                             wg_dimension=H.MatmulDimension.M)
+
+
 def main():
+    global SHAPES, TOKENS
     ap = argparse.ArgumentParser()
     ap.add_argument("--lower-only", action="store_true", help="lower the Mosaic kernels for CUDA, run nothing")
+    ap.add_argument("--gemv", action="store_true",
+                    help="decode shapes instead: six routed experts' rows as one weight, 8-64 activation columns")
     a = ap.parse_args()
     from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as H
+
+    if a.gemv:
+        SHAPES = [(6 * 2304, 5120), (5120, 6 * 2304)]
+        TOKENS = (8, 16, 64)
 
     if a.lower_only and jax.default_backend() != "gpu":  # the kernel asks the device for its SM count
         H.backend = types.SimpleNamespace(get_default_device=lambda: types.SimpleNamespace(core_count=132))
@@ -50,11 +65,12 @@ def main():
     for (O, K), T in itertools.product(SHAPES, TOKENS):
         flops = 2 * O * K * T
         shape = dict(out=O, k=K, tokens=T)
-        for cfg in configs(H):
+        rate = lambda t: dict(TFLOPs=round(flops / t / 1e12, 1), int8_TBps=round(O * K / t / 1e12, 3))  # noqa: E731
+        for cfg in (gemv_configs(H, T) if a.gemv else configs(H)):
             if O % (cfg.tile_m * (2 if cfg.wg_dimension == H.MatmulDimension.M else 1)) or \
                     T % (cfg.tile_n * (2 if cfg.wg_dimension == H.MatmulDimension.N else 1)):
                 continue
-            name = f"mgpu tm{cfg.tile_m} tn{cfg.tile_n} tk{cfg.tile_k} wg{cfg.wg_dimension}"
+            name = f"mgpu tm{cfg.tile_m} tn{cfg.tile_n} tk{cfg.tile_k} st{cfg.max_concurrent_steps} wg{cfg.wg_dimension}"
             f = jax.jit(lambda w, xt, cfg=cfg: H.mixed_matmul_kernel(w, xt, out_dtype=jnp.bfloat16, config=cfg))
             try:
                 if a.lower_only:
@@ -66,7 +82,7 @@ def main():
                 xt = jax.random.normal(key, (K, T), jnp.float32).astype(jnp.bfloat16)
                 t, c = bq.timeit(lambda i, s, w, xt, f=f: f(w, xt + s.astype(jnp.bfloat16)), w, xt, reps=20)
                 ref = jnp.dot(w.astype(jnp.bfloat16), xt, preferred_element_type=jnp.float32)
-                emit(**shape, impl=name, us=round(t * 1e6, 1), TFLOPs=round(flops / t / 1e12, 1),
+                emit(**shape, impl=name, us=round(t * 1e6, 1), **rate(t),
                      rel_err=bq.rel_err(f(w, xt), ref))
             except Exception as e:  # noqa: BLE001
                 emit(**shape, impl=name, error=f"{type(e).__name__}: {str(e)[:200]}")
@@ -78,13 +94,12 @@ def main():
         blocks = jnp.zeros((T // bm,), jnp.int32)
         t, _ = bq.timeit(lambda i, s, x, c, sc: Q.grouped_qmatmul(x + s.astype(jnp.bfloat16), blocks, T // bm, c, sc,
                                                                    bm=bm, out_dtype=jnp.bfloat16), x, codes, scale, reps=20)
-        emit(**shape, impl=f"triton grouped_qmatmul bm{bm}", us=round(t * 1e6, 1), TFLOPs=round(flops / t / 1e12, 1))
+        emit(**shape, impl=f"triton grouped_qmatmul bm{bm}", us=round(t * 1e6, 1), **rate(t))
         w16 = Q.dequantize(codes[0], scale[0], jnp.bfloat16)
         t, _ = bq.timeit(lambda i, s, x, w: jnp.dot(x + s.astype(jnp.bfloat16), w.T,
                                                     preferred_element_type=jnp.float32).astype(jnp.bfloat16),
                          x, w16, reps=20)
-        emit(**shape, impl="xla bf16 dot (weight dequantized beforehand)", us=round(t * 1e6, 1),
-             TFLOPs=round(flops / t / 1e12, 1))
+        emit(**shape, impl="xla bf16 dot (weight dequantized beforehand)", us=round(t * 1e6, 1), **rate(t))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ the prefill MoE blocks (``prefill_w1`` / ``prefill_w2``: 8192 tokens x 6 pairs s
     python3 benchmarks/sweep_gemv.py [--cases routed_w1,routed_w2,dense_2304x5120,dense_5120x8192]
     python3 benchmarks/sweep_gemv.py --grid wlhs --cases routed_w1,routed_w2,dense_2304x5120,prefill_w1,prefill_w2
     python3 benchmarks/sweep_gemv.py --grid xla --cases routed_w1,dense_2304x5120,dense_5120x8192
+    python3 benchmarks/sweep_gemv.py --grid chunk --cases routed_w1,routed_w2,dense_2304x5120,dense_5120x8192
+
+``--grid chunk`` compares the one-row "chunk" mode (unscaled codes against a block-diagonal
+activation tile, per-32 partial sums scaled after the MMA) with the "dot" mode it replaced
+(``mode=dot, bk=128``) and sweeps its output tile, warps, stages and split-K.
 """
 from __future__ import annotations
 
@@ -51,6 +56,13 @@ def grid_configs(prefill: bool):
         yield dict(wlhs=False, bo=128, bk=64, num_warps=8)
         for bo, bk, w in ((128, 64, None), (64, 64, 4), (128, 64, 4), (128, 128, 8), (256, 64, 8)):
             yield dict(wlhs=True, bo=bo, bk=bk, num_warps=w)
+        return
+    if GRID == "chunk":
+        yield dict(mode="dot", bk=128)
+        yield dict(mode="chunk", bo=64)
+        for extra in (dict(bo=16), dict(num_stages=2), dict(splitk=1), dict(splitk=2), dict(splitk=4),
+                      dict(splitk=1, num_stages=2), dict(splitk=2, num_stages=2), dict(num_warps=2)):
+            yield dict(mode="chunk", **extra)
         return
     yield dict(wlhs=True)
     for s in (2, 4, 8, 16):
@@ -180,7 +192,7 @@ def run_case(name, key):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--grid", choices=("tiles", "wlhs", "xla"), default="tiles")
+    ap.add_argument("--grid", choices=("tiles", "wlhs", "xla", "chunk"), default="tiles")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes in the Pallas interpreter (CPU check)")
     a = ap.parse_args()
     global IMPL, GRID

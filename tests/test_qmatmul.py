@@ -99,11 +99,19 @@ CASES = [
     ("int8", 6, 40, 256, 1, 7, 5, "auto", {"lowp_dequant": True}),
     ("fp8", 1, 72, 256, 1, 3, 3, "auto", {"lowp_dequant": True}),
     # the weight tile as the dot's left operand: decode, split-K, prefill blocks, split, unscaled
-    ("int8", 6, 40, 256, 1, 7, 5, "auto", {"wlhs": True}),
+    ("int8", 6, 40, 256, 1, 7, 5, "dot", {"wlhs": True}),
     ("fp8", 1, 72, 256, 1, 3, 3, "auto", {"wlhs": True, "splitk": 2}),
     ("int8", 3, 72, 128, 64, 3, 2, "auto", {"wlhs": True}),
     ("int8", 3, 72, 128, 64, 3, 2, "dot", {"wlhs": True, "split": True}),
     ("bf16", 6, 40, 96, 1, 6, 5, "auto", {"wlhs": True}),
+    # the chunk mode (the default for one-row blocks of grouped scaled weights; the auto rows
+    # above with bm=1 and int8 weights run it too): whole 512-input steps, split-K ranges with
+    # a masked tail step, K below one step, fp8 codes read as bytes, one dense group on request
+    ("int8", 6, 40, 1024, 1, 7, 5, "auto", {"splitk": 2}),
+    ("int8", 6, 40, 1056, 1, 7, 7, "auto", {}),
+    ("int8", 6, 72, 2304, 1, 5, 4, "chunk", {"splitk": 4, "bo": 64}),
+    ("fp8", 4, 40, 800, 1, 6, 6, "auto", {}),
+    ("fp8", 1, 72, 1600, 1, 3, 3, "chunk", {"splitk": 2}),
 ]
 
 
@@ -122,8 +130,9 @@ def test_kernel_interpret_matches_reference(kind, G, O, K, bm, nb, used, mode, t
         bg = bg.at[0].set(G - 1)  # the last group's offset is reached
     dense = G == 1 and kind == "fp8"
     cw, sw = (codes[0], scale[0]) if dense else (codes, scale)  # dense weights: [O, K] + [O, K/32]
-    cfg = Q.choose_config(bm, O, K, sw is not None, mode, **tiles)
-    assert cfg.mode == ("dot" if mode == "auto" else mode)
+    cfg = Q.choose_config(bm, O, K, sw is not None, mode, groups=G, **tiles)
+    one_row = bm == 1 and sw is not None and G > 1
+    assert cfg.mode == (("chunk" if one_row else "dot") if mode == "auto" else mode)
     got = Q.grouped_qmatmul(x, bg, used, cw, sw, bm=bm, out_dtype=F32, impl="interpret", mode=mode, **tiles)
     ref = Q.grouped_qmatmul_reference(x, bg, used, cw, sw, bm=bm, out_dtype=F32)
     assert got.shape == (nb * bm, O)
@@ -147,6 +156,12 @@ def test_auto_splitk_policy():
     assert cfg.splitk == 4 and (5120 // 4) % cfg.bk == 0
     assert Q.choose_config(1, 2304, 5120, True, nb=6, splitk=1).splitk == 1
     assert Q.choose_config(16, 72, 64, True, nb=7, group_rows=3).splitk == 1
+    # the chunk mode's split-K keeps every K range at least one 512-input step long
+    w1, w2 = Q.choose_config(1, 2304, 5120, True, nb=6, groups=384), Q.choose_config(1, 5120, 2304, True, nb=6,
+                                                                                      groups=384)
+    assert (w1.mode, w1.bo, w1.bk, w1.splitk) == ("chunk", 32, 512, 2)
+    assert (w2.mode, w2.splitk) == ("chunk", 1)  # 960 programs already
+    assert Q.choose_config(1, 2304, 5120, True, nb=6).mode == "dot"  # one dense weight: the dot mode
     with pytest.raises(ValueError, match="splitk"):
         Q.choose_config(1, 40, 96, True, splitk=2)
 
@@ -161,6 +176,10 @@ def test_kernel_interpret_fp32_compute():
         got = Q.grouped_qmatmul(x, bg, 2, codes, scale, bm=16, impl="interpret", mode=mode, **tiles)
         assert got.dtype == F32
         assert _rel(got, want) < 2e-6, mode
+    xr = jnp.asarray(rng.standard_normal((3, 128)), F32)  # one-row blocks: the chunk mode in fp32
+    bgr = jnp.asarray([3, 0, 2], jnp.int32)
+    got = Q.grouped_qmatmul(xr, bgr, 3, codes, scale, bm=1, impl="interpret")
+    assert got.dtype == F32 and _rel(got, _np_grouped(xr, bgr, 3, codes, scale, 1, 0.5)) < 2e-6
     wf = jnp.asarray(rng.standard_normal((4, 40, 128)), F32)  # fp32 weights, no scale
     got = Q.grouped_qmatmul(x, bg, 2, wf, None, bm=16, impl="interpret")
     assert _rel(got, _np_grouped(x, bg, 2, wf, None, 16, 1.0)) < 2e-6
@@ -296,6 +315,11 @@ def test_tuning_env_override(monkeypatch):
     monkeypatch.setenv("DSV41_QMATMUL_TUNING", '{"large": {"wlhs": false, "num_warps": 8}, "small": {"bo": 32}}')
     big, small = Q.choose_config(128, 2304, 5120, True, nb=400), Q.choose_config(1, 2304, 5120, True, nb=6)
     assert (big.wlhs, big.num_warps, big.bo) == (False, 8, 128) and small.bo == 32
+    monkeypatch.setenv("DSV41_QMATMUL_TUNING", '{"one_row": {"mode": "dot", "bk": 128}}')  # the pre-chunk GEMV
+    old = Q.choose_config(1, 2304, 5120, True, nb=6, groups=384)
+    assert (old.mode, old.tm, old.bk, old.bo) == ("dot", 16, 128, 32)
+    with pytest.raises(ValueError, match="one-row blocks"):
+        Q.choose_config(4, 2304, 5120, True, mode="chunk")
     monkeypatch.setenv("DSV41_QMATMUL_TUNING", '{"large": {"warps": 8}}')
     with pytest.raises(ValueError, match="unknown Config fields"):
         Q.choose_config(128, 2304, 5120, True)

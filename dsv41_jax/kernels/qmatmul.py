@@ -27,12 +27,20 @@ meant for small problems). ``"auto"`` (default) reads ``DSV41_QMATMUL_IMPL`` and
 
 The kernel never writes a dequantized weight to memory: a program owns one (row block, output
 tile) pair, loads code tiles and the matching scale bytes, turns them into values in registers
-and accumulates over K in fp32. Two inner modes:
+and accumulates over K in fp32. Three inner modes:
 
-* ``"dot"`` (the default for every block size): the tile is dequantized in registers to the
-  compute dtype and fed to the tensor cores (``tl.dot``), fp32 accumulation. Blocks of fewer
-  than 16 rows (decode: one row per (token, slot) pair) are padded to 16 rows in registers
-  (masked loads and stores: no extra memory traffic).
+* ``"dot"`` (the default, except for the chunk mode's case below): the tile is dequantized in
+  registers to the compute dtype and fed to the tensor cores (``tl.dot``), fp32 accumulation.
+  Blocks of fewer than 16 rows (decode: one row per (token, slot) pair) are padded to 16 rows in
+  registers (masked loads and stores: no extra memory traffic).
+* ``"chunk"`` (the default for one-row blocks of several groups' scaled weights: the decode MoE
+  experts): the raw codes go to the tensor cores unscaled, against a block-diagonal activation
+  tile whose row ``c`` holds only the inputs of the ``c``-th 32-wide scale block of the step
+  (``bk`` = 512: 16 rows, the MMA's minimum). The product is the 16 per-block partial sums of
+  every output at once; each is scaled by its ue8m0 byte (exact: a power of two) and
+  accumulated, and the 16 rows are added after the K loop. No per-weight scale multiply or
+  in-register reshape remains; the rows the "dot" mode pads with zeros do the work. K need not
+  be a multiple of 512 (the last step is masked).
 * ``"reduce"`` (opt-in; CUDA-core GEMV): elementwise products of the dequantized tile and the
   rows, either accumulated in a product-shaped fp32 accumulator and reduced once after the K
   loop (``acc=True``, the one-row default) or summed per 32-wide scale block, scaled once per
@@ -55,6 +63,7 @@ from jax import lax
 
 F32 = jnp.float32
 QBLOCK = 32  # inputs per scale byte
+CHUNK_ROWS = 16  # "chunk" mode: scale blocks per K step = rows of the block-diagonal activation tile
 _IMPLS = ("auto", "triton", "interpret", "xla")
 
 
@@ -169,13 +178,16 @@ SPLITK_PROGRAMS = 4 * 132
 SPLITK_MAX = 16
 
 
-def auto_splitk(n_programs: int, K: int, quantum: int = QBLOCK, target: int | None = None) -> int:
+def auto_splitk(n_programs: int, K: int, quantum: int = QBLOCK, target: int | None = None,
+                min_range: int | None = None) -> int:
     """Smallest power of two s <= SPLITK_MAX with ``n_programs * s >= target`` such that every
-    K range stays a multiple of ``quantum`` and holds at least two quanta."""
+    K range stays a multiple of ``quantum`` and holds at least ``min_range`` inputs (default:
+    two quanta)."""
     target = SPLITK_PROGRAMS if target is None else target
+    min_range = 2 * quantum if min_range is None else min_range
     s = 1
     while (s < SPLITK_MAX and n_programs * s < target and K % (2 * s * quantum) == 0
-           and K // (2 * s) >= 2 * quantum):
+           and K // (2 * s) >= min_range):
         s *= 2
     return s
 
@@ -200,10 +212,14 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 # beat the elementwise "reduce" forms (1.2-2.4 vs 0.9-2.0 TB/s). 128-row prefill blocks: 128 x 64
 # tiles (bk 128 was 20-40% slower); since session 6 with the weight tile on the left of the dot
 # and 4 warps (6-7% faster on the routed w1 / w2 blocks of an 8k prefill, benchmarks/sweep_gemv.py
-# --grid wlhs). ``num_warps`` None: 8 for 128-row tiles, else 4. ``DSV41_QMATMUL_TUNING`` (JSON,
-# e.g. '{"large": {"wlhs": false, "num_warps": 8}}') overrides fields for tuning on other GPUs.
+# --grid wlhs). One-row blocks of grouped scaled weights (decode experts) since session 8: the
+# "chunk" mode with 32-wide output tiles (routed w1 / w2 19-22% faster than the "dot" mode,
+# sweep_gemv.py --grid chunk; 64-wide tiles gained nothing). ``num_warps`` None: 8 for 128-row
+# tiles, else 4. ``DSV41_QMATMUL_TUNING`` (JSON, e.g. '{"large": {"wlhs": false, "num_warps": 8}}')
+# overrides fields for tuning on other GPUs.
 TUNING = {
     "small": dict(mode="dot", bo=64, bk=128, num_warps=4, num_stages=3),
+    "one_row": dict(mode="chunk", bo=32, bk=CHUNK_ROWS * QBLOCK, num_warps=4, num_stages=3),
     "large": dict(mode="dot", bo=128, bk=64, num_warps=4, num_stages=3, wlhs=True),
 }
 
@@ -223,33 +239,47 @@ def _tuning(size: str) -> dict:
     return cfg
 
 
-def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb: int = 1, **override) -> Config:
-    """Tiles for a problem: ``TUNING`` ("small" for blocks of up to 16 rows, "large" above) for
-    ``mode`` "auto" or "dot"; "reduce" takes its own defaults (one-row blocks: the
-    accumulate-then-reduce form); ``override``: any ``Config`` field (tuning sweeps). ``nb``
-    (row blocks) sizes the automatic split-K (``auto_splitk``; ``splitk=1`` turns it off)."""
-    if mode in ("auto", "dot"):
+def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb: int = 1, groups: int = 1,
+                  **override) -> Config:
+    """Tiles for a problem: ``TUNING`` for ``mode`` "auto" ("one_row" for one-row blocks of
+    scaled weights of several groups: the decode MoE experts, "small" for other blocks of up to
+    16 rows, "large" above), "dot" ("small" / "large") or "chunk"; "reduce" takes its own
+    defaults (one-row blocks: the accumulate-then-reduce form); ``override``: any ``Config``
+    field (tuning sweeps). ``nb`` (row blocks) sizes the automatic split-K (``auto_splitk``;
+    ``splitk=1`` turns it off)."""
+    if mode == "auto" and bm == 1 and scaled and groups > 1:
+        cfg = _tuning("one_row")
+    elif mode in ("auto", "dot"):
         cfg = _tuning("small" if bm <= 16 else "large")
     elif mode == "reduce":
         tm = _pow2_at_least(bm)
         cfg = dict(mode="reduce", bo=16, bk=256 if tm <= 2 else 128, num_warps=4, num_stages=3,
                    acc=tm == 1)
+    elif mode == "chunk":
+        cfg = _tuning("one_row")
+        cfg["mode"] = "chunk"
     else:
-        raise ValueError(f"grouped_qmatmul: mode {mode!r} (use auto, reduce or dot)")
+        raise ValueError(f"grouped_qmatmul: mode {mode!r} (use auto, dot, chunk or reduce)")
     cfg.setdefault("lowp_dequant", os.environ.get("DSV41_QMATMUL_DEQUANT", "f32") == "lowp")
     cfg.update(override)
+    chunk = cfg["mode"] == "chunk"
+    if chunk and (bm != 1 or not scaled):
+        raise ValueError(f"grouped_qmatmul: the chunk mode takes one-row blocks of scaled weights (bm={bm})")
     tm = _pow2_at_least(bm)
-    cfg["tm"] = max(tm, 16) if cfg["mode"] == "dot" else tm
+    cfg["tm"] = CHUNK_ROWS if chunk else (max(tm, 16) if cfg["mode"] == "dot" else tm)
     if cfg.get("num_warps") is None:
         cfg["num_warps"] = 8 if cfg["tm"] >= 128 else 4
     cfg["bo"] = min(cfg["bo"], _pow2_at_least(O))
+    if chunk:
+        cfg["bk"] = CHUNK_ROWS * QBLOCK  # one MMA row per 32-input scale block; K ranges need not divide by it
     if cfg.get("group_rows"):
         cfg["splitk"] = 1
     elif cfg.get("splitk") is None:
-        cfg["splitk"] = auto_splitk(-(-O // cfg["bo"]) * nb, K)
+        cfg["splitk"] = auto_splitk(-(-O // cfg["bo"]) * nb, K, min_range=cfg["bk"] if chunk else None)
     if K % cfg["splitk"] or (scaled and (K // cfg["splitk"]) % QBLOCK):
         raise ValueError(f"grouped_qmatmul: splitk={cfg['splitk']} does not cut K={K} into 32-input ranges")
-    cfg["bk"] = _largest_pow2_divisor(K // cfg["splitk"], cfg["bk"])
+    if not chunk:
+        cfg["bk"] = _largest_pow2_divisor(K // cfg["splitk"], cfg["bk"])
     if scaled and cfg["bk"] < QBLOCK:
         raise ValueError(f"grouped_qmatmul: K={K} has no power-of-two step >= {QBLOCK}")
     if cfg.get("wlhs") and cfg["mode"] != "dot":
@@ -273,7 +303,7 @@ def _store(ref, val, mask):
 
 
 def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, O: int, K: int,
-            scaled: bool, mult: float, cd, out_dtype):
+            scaled: bool, mult: float, cd, out_dtype, codes_dtype=None):
     from jax.experimental import pallas as pl
 
     s_ref, o_ref = rest if scaled else (None, rest[0])
@@ -294,11 +324,12 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
     kbase = ks * kr
 
     def put(val):  # this program's output tile (an fp32 partial-sum slice under split-K)
+        rows = val.shape[0]  # tm, or 1 (the chunk mode's one row)
+        mask = smask if rows == tm else (o0 + lax.broadcasted_iota(jnp.int32, (1, bo), 1) < O)
         if cfg.splitk > 1:
-            _store(o_ref.at[pl.ds(ks, 1), pl.ds(r0, tm), pl.ds(o0, bo)],
-                   val.astype(F32)[None], smask[None])
+            _store(o_ref.at[pl.ds(ks, 1), pl.ds(r0, rows), pl.ds(o0, bo)], val.astype(F32)[None], mask[None])
         else:
-            _store(o_ref.at[pl.ds(r0, tm), pl.ds(o0, bo)], val.astype(out_dtype), smask)
+            _store(o_ref.at[pl.ds(r0, rows), pl.ds(o0, bo)], val.astype(out_dtype), mask)
 
     o0 = pl.multiple_of(oi * bo, bo)
     r0 = j * bm
@@ -313,6 +344,11 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
     def dot(a, w):  # a [tm, kk], w [bo, kk] -> [tm, bo] fp32 ([bo, tm] with wlhs)
         lhs, rhs = (w, a) if cfg.wlhs else (a, w)
         return lax.dot_general(lhs.astype(cd), rhs.astype(cd), dims, precision=prec, preferred_element_type=F32)
+
+    if cfg.mode == "chunk":
+        _chunk_program(nb_ref, bg_ref, x_ref, c_ref, s_ref, live=live, j=j, o0=o0, kbase=kbase, kr=kr,
+                       omask=omask, cfg=cfg, K=K, mult=mult, cd=cd, prec=prec, put=put, codes_dtype=codes_dtype)
+        return
 
     @pl.when(live)
     def _compute():
@@ -374,6 +410,55 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
         put(jnp.zeros((tm, bo), F32))
 
 
+def _chunk_program(nb_ref, bg_ref, x_ref, c_ref, s_ref, *, live, j, o0, kbase, kr, omask, cfg: Config, K: int,
+                   mult: float, cd, prec, put, codes_dtype):
+    """The "chunk" mode's program: row ``j`` of ``x`` times the codes of its group over the K
+    range ``[kbase, kbase + kr)``, one output tile (see the module docstring). fp8 codes arrive
+    as their bytes (``c_ref`` uint8), so that the reads past a range's end can be zero-filled."""
+    from jax.experimental import pallas as pl
+
+    tm, bo, bk = cfg.tm, cfg.bo, cfg.bk                                # tm == bk // 32 rows
+    kcol = lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    sel = lax.broadcasted_iota(jnp.int32, (tm, bk), 1) // QBLOCK == lax.broadcasted_iota(jnp.int32, (tm, bk), 0)
+    scol = lax.broadcasted_iota(jnp.int32, (1, tm), 1)
+    kend = kbase + kr
+    tail = kr % bk != 0  # the last step reads past the range: masked, zero-filled
+    dims = (((1,), (1,)), ((), ()))
+
+    @pl.when(live)
+    def _compute():
+        g = bg_ref[j]
+
+        def step(kk, acc):
+            k0 = pl.multiple_of(kbase + kk * bk, QBLOCK)
+            kin = (k0 + kcol < kend) if tail else True                   # [1, bk] inputs of this range
+            c = _load_or(c_ref.at[g, pl.ds(o0, bo), pl.ds(k0, bk)], omask & kin)          # [bo, bk] codes
+            if c.dtype != codes_dtype:
+                c = lax.bitcast_convert_type(c, codes_dtype)
+            xr = _load_or(x_ref.at[pl.ds(j, 1), pl.ds(k0, bk)], kin)                     # [1, bk]
+            xb = jnp.where(sel, xr, jnp.zeros((), xr.dtype))                              # [tm, bk] block-diagonal
+            p = lax.dot_general(xb.astype(cd), c.astype(cd), dims, precision=prec,
+                                preferred_element_type=F32)                               # [tm, bo] partial sums
+            b0 = k0 // QBLOCK
+            sb = _load_or(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0, tm)], (omask & (b0 + scol < kend // QBLOCK)) if tail
+                          else omask)
+            return acc + p * scale_values(sb, mult).T                                     # [tm, bo]
+
+        acc = lax.fori_loop(0, pl.cdiv(kr, bk), step, jnp.zeros((tm, bo), F32))
+        put(jnp.sum(acc, axis=0, keepdims=True))
+
+    @pl.when(jnp.logical_not(live))
+    def _skip():
+        put(jnp.zeros((1, bo), F32))
+
+
+def _load_or(ref, mask):
+    """Masked load with zeros where ``mask`` is False (the chunk mode reads past K ranges)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
+
+
 def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg: Config, interpret: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
@@ -384,15 +469,17 @@ def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg:
     nb = R // bm
     cd = x.dtype
     args = [jnp.asarray(n_blocks, jnp.int32).reshape(1), block_group.astype(jnp.int32)]
-    if scaled and not (cfg.mode == "dot" and cfg.split):
+    if scaled and not (cfg.mode == "dot" and cfg.split) and cfg.mode != "chunk":
         # 32-input scale blocks as their own axis (free views of contiguous arrays)
         codes_v = codes.reshape(G, O, K // QBLOCK, QBLOCK)
         x_v = x.reshape(R, K // QBLOCK, QBLOCK) if cfg.mode == "reduce" else x
+    elif cfg.mode == "chunk" and jnp.issubdtype(codes.dtype, jnp.floating) and codes.dtype.itemsize == 1:
+        codes_v, x_v = lax.bitcast_convert_type(codes, jnp.uint8), x  # fp8 codes as bytes (zero-filled reads)
     else:
         codes_v, x_v = codes, x
     args += [x_v, codes_v] + ([scale] if scaled else [])
     kernel = functools.partial(_kernel, cfg=cfg, bm=bm, nb=nb, O=O, K=K, scaled=scaled, mult=mult, cd=cd,
-                               out_dtype=out_dtype)
+                               out_dtype=out_dtype, codes_dtype=codes.dtype)
     grid = (pl.cdiv(O, cfg.bo) * nb,) if cfg.group_rows else (pl.cdiv(O, cfg.bo), nb, cfg.splitk)
     out_shape = (jax.ShapeDtypeStruct((cfg.splitk, R, O), F32) if cfg.splitk > 1
                  else jax.ShapeDtypeStruct((R, O), out_dtype))
@@ -454,6 +541,6 @@ def grouped_qmatmul(x, block_group, n_blocks, codes, scale=None, *, bm: int, out
     if impl == "xla":
         return grouped_qmatmul_reference(x, block_group, n_blocks, codes, scale, bm=bm,
                                          out_dtype=out_dtype, mult=mult)
-    cfg = choose_config(bm, O, K, scale is not None, mode, nb=R // bm, **tiles)
+    cfg = choose_config(bm, O, K, scale is not None, mode, nb=R // bm, groups=G, **tiles)
     return _pallas(x, block_group, n_blocks, codes, scale, bm=bm, out_dtype=out_dtype, mult=mult, cfg=cfg,
                    interpret=impl == "interpret")
