@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import LayerPlan, TextConfig
-from dsv41_jax.model.layers import Linear, RMSNorm, einsum
+from dsv41_jax.model.layers import Linear, RMSNorm, einsum, top_k_indices_ascending, top_k_mask
 from dsv41_jax.model.rope import layer_inv_freq, rope_tail
 from dsv41_jax.numerics import Numerics
 from dsv41_jax import quant
@@ -43,9 +43,7 @@ def select_candidate_blocks(score, n_vis, topk_blocks: int, block: int):
     if topk_blocks >= nb:  # every block is selected (contexts up to topk_blocks * block): no top-k sort
         keep = blocks > NEG_INF
     else:
-        vals, idx = jax.lax.top_k(blocks, topk_blocks)
-        onehot = jax.nn.one_hot(idx, nb, dtype=bool) & (vals > NEG_INF)[..., None]
-        keep = jnp.any(onehot, axis=-2)
+        keep = top_k_mask(blocks, topk_blocks) & (blocks > NEG_INF)
     return jnp.repeat(keep, block, axis=-1)[..., :T]
 
 
@@ -211,8 +209,7 @@ class Attention(nnx.Module):
                 cand = select_candidate_blocks(s, n_vis, self.cand_blocks, self.cand_block_size)
             elif use:
                 s = jnp.where(cand_in, s, NEG_INF)
-            _, idx = jax.lax.top_k(s, k)
-            idx = jnp.sort(idx, axis=-1)
+            idx = top_k_indices_ascending(s, k)
             idx = jnp.where(idx < n_vis[..., None], idx, -1).astype(jnp.int32)
             return idx, cand
 

@@ -222,3 +222,64 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps)
+
+
+# ------------------------------------------------------------------------------ exact top-k
+# Comparisons (rows x T x T) up to which the top-k of the last axis is formed by ranking (one
+# fused compare-and-count per row) instead of lax.top_k's sort: decode-sized problems, where a
+# sort of a few thousand scores is one slow single-block kernel (11-17 us on the H200, run 17).
+RANK_TOPK_MAX = 1 << 26
+
+
+def _total_order_key(x):
+    """int32 keys ordered like fp32 ``x`` under IEEE total order (-0 < +0, NaNs at the ends):
+    the order ``lax.top_k`` ranks by."""
+    b = jax.lax.bitcast_convert_type(x.astype(F32), jnp.int32)
+    return jnp.where(b < 0, b ^ jnp.int32(0x7FFFFFFF), b)
+
+
+def _ranks(x):
+    """Position of every entry of the last axis in a stable descending sort: the number of
+    entries that are larger, or equal and earlier (ties go to the lower index, as in lax.top_k)."""
+    T = x.shape[-1]
+    key = _total_order_key(x)
+    a, b = key[..., :, None], key[..., None, :]
+    earlier = jnp.arange(T)[None, :] < jnp.arange(T)[:, None]
+    return jnp.sum((b > a) | ((b == a) & earlier), axis=-1, dtype=jnp.int32)
+
+
+def _rank_route(x, k: int) -> bool:
+    T = x.shape[-1]
+    return 0 < k <= T and math.prod(x.shape) * T <= RANK_TOPK_MAX
+
+
+def top_k(x, k: int):
+    """``jax.lax.top_k(x, k)`` (values, int32 indices; descending, ties to the lower index,
+    IEEE total order), formed by ranking when the problem is small (``RANK_TOPK_MAX``): the same
+    result, without a sort."""
+    if not _rank_route(x, k):
+        v, i = jax.lax.top_k(x, k)
+        return v, i.astype(jnp.int32)
+    r = _ranks(x)
+    T = x.shape[-1]
+    pos = jnp.arange(k, dtype=jnp.int32)
+    idx = jnp.sum(jnp.where(r[..., None, :] == pos[:, None], jnp.arange(T, dtype=jnp.int32), 0), axis=-1)
+    return jnp.take_along_axis(x, idx, axis=-1), idx
+
+
+def top_k_mask(x, k: int):
+    """Boolean mask of the entries ``lax.top_k(x, k)`` selects (ties to the lower index)."""
+    if not _rank_route(x, k):
+        _, i = jax.lax.top_k(x, k)
+        return jnp.any(jax.nn.one_hot(i, x.shape[-1], dtype=bool), axis=-2)
+    return _ranks(x) < k
+
+
+def top_k_indices_ascending(x, k: int):
+    """The indices ``lax.top_k(x, k)`` selects, in ascending order (int32 [..., k])."""
+    if not _rank_route(x, k):
+        _, i = jax.lax.top_k(x, k)
+        return jnp.sort(i, axis=-1).astype(jnp.int32)
+    cs = jnp.cumsum((_ranks(x) < k).astype(jnp.int32), axis=-1)
+    # the j-th selected index = how many positions hold fewer than j + 1 selected entries so far
+    return jnp.sum(cs[..., None, :] <= jnp.arange(k, dtype=jnp.int32)[:, None], axis=-1, dtype=jnp.int32)

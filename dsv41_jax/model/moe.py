@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import TextConfig
-from dsv41_jax.model.layers import Linear, einsum, matmul
+from dsv41_jax.model.layers import Linear, einsum, matmul, top_k
 from dsv41_jax.numerics import Numerics
 from dsv41_jax import quant
 from dsv41_jax.model import moe_ep
@@ -61,7 +61,7 @@ class Gate(nnx.Module):
         b = self.bias[...]
         if image_mask is not None and self.bias_vl is not None:
             b = jnp.where(image_mask[..., None], self.bias_vl[...], b)
-        _, ids = jax.lax.top_k(s + b, self.k)
+        _, ids = top_k(s + b, self.k)
         w = jnp.take_along_axis(s, ids, axis=-1)
         if self.norm_topk and self.k > 1:
             w = w / (jnp.sum(w, -1, keepdims=True) + 1e-20)

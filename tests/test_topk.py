@@ -1,0 +1,70 @@
+"""The rank-based top-k helpers of ``dsv41_jax.model.layers`` against ``jax.lax.top_k``: the same
+indices (ties to the lower index, IEEE total order: -0 < +0, -inf ties) and values, through the
+ranking route (small problems) and through the sort route (above ``RANK_TOPK_MAX``)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.model import layers as L
+from dsv41_jax.model.attention import select_candidate_blocks
+
+SHAPES = [((3, 17), 5), ((2, 4, 64), 64), ((5, 384), 6), ((1, 1024), 512), ((2, 3), 3), ((4, 40), 1)]
+
+
+def _scores(rng, shape):
+    """Small integers (many ties), -inf entries, and zeros of both signs."""
+    x = rng.integers(-4, 4, size=shape).astype(np.float32)
+    x[..., ::7] = -np.inf
+    x[..., 1::11] = -0.0
+    x[..., 2::13] = 0.0
+    return jnp.asarray(x)
+
+
+def _check_all(x, k):
+    v, i = jax.lax.top_k(x, k)
+    v2, i2 = jax.jit(lambda a: L.top_k(a, k))(x)
+    np.testing.assert_array_equal(np.asarray(i2), np.asarray(i))
+    np.testing.assert_array_equal(np.asarray(v2).view(np.int32), np.asarray(v).view(np.int32))  # -0 stays -0
+    assert i2.dtype == jnp.int32
+    m = jax.jit(lambda a: L.top_k_mask(a, k))(x)
+    np.testing.assert_array_equal(np.asarray(m), np.asarray(jnp.any(jax.nn.one_hot(i, x.shape[-1], dtype=bool), -2)))
+    a = jax.jit(lambda a: L.top_k_indices_ascending(a, k))(x)
+    np.testing.assert_array_equal(np.asarray(a), np.sort(np.asarray(i), axis=-1))
+
+
+@pytest.mark.parametrize("shape,k", SHAPES, ids=[f"{s}-k{k}" for s, k in SHAPES])
+def test_rank_topk_equals_lax_top_k(shape, k):
+    x = _scores(np.random.default_rng(sum(shape) + k), shape)
+    assert L._rank_route(x, k)
+    _check_all(x, k)
+
+
+def test_total_order_ties_and_signed_zeros():
+    x = jnp.asarray([[-0.0, 0.0, -1.0, 0.0], [0.0, -0.0, -np.inf, -np.inf], [3.0, 3.0, 3.0, -0.0]], jnp.float32)
+    _check_all(x, 2)
+    np.testing.assert_array_equal(np.asarray(L.top_k(x, 2)[1]), [[1, 3], [0, 1], [0, 1]])
+
+
+def test_sort_route_above_the_limit(monkeypatch):
+    x = _scores(np.random.default_rng(7), (6, 96))
+    monkeypatch.setattr(L, "RANK_TOPK_MAX", 6 * 96 * 96 - 1)
+    assert not L._rank_route(x, 10)
+    _check_all(x, 10)
+
+
+def test_candidate_blocks_keep_the_same_blocks():
+    """``select_candidate_blocks`` (level one of the two-level top-k) through the rank route
+    equals its lax.top_k formulation, unseen blocks (all -inf) never kept."""
+    rng = np.random.default_rng(3)
+    s = _scores(rng, (2, 3, 200))
+    n_vis = jnp.asarray(rng.integers(1, 201, size=(2, 3)), jnp.int32)
+    s = jnp.where(jnp.arange(200) >= n_vis[..., None], -jnp.inf, s)
+    got = select_candidate_blocks(s, n_vis, 4, 16)
+    blocks = jnp.max(jnp.pad(s, [(0, 0), (0, 0), (0, 8)], constant_values=-jnp.inf).reshape(2, 3, 13, 16), -1)
+    blocks = jnp.where(jnp.arange(13) == ((n_vis - 1) // 16)[..., None], jnp.inf, blocks)
+    vals, idx = jax.lax.top_k(blocks, 4)
+    keep = jnp.any(jax.nn.one_hot(idx, 13, dtype=bool) & (vals > -jnp.inf)[..., None], axis=-2)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.repeat(keep, 16, -1)[..., :200]))
