@@ -11,7 +11,8 @@ import pytest
 from dsv41_jax.model import layers as L
 from dsv41_jax.model.attention import select_candidate_blocks
 
-SHAPES = [((3, 17), 5), ((2, 4, 64), 64), ((5, 384), 6), ((1, 1024), 512), ((2, 3), 3), ((4, 40), 1)]
+SHAPES = [((3, 17), 5), ((2, 4, 64), 64), ((5, 384), 6), ((1, 1024), 512), ((2, 3), 3), ((4, 40), 1),
+          ((16, 1024), 512)]
 
 
 def _scores(rng, shape):
@@ -53,6 +54,13 @@ def test_sort_route_above_the_limit(monkeypatch):
     monkeypatch.setattr(L, "RANK_TOPK_MAX", 6 * 96 * 96 - 1)
     assert not L._rank_route(x, 10)
     _check_all(x, 10)
+    monkeypatch.setattr(L, "RANK_TOPK_MAX", 6 * 96 * 96)
+    assert L._rank_route(x, 10)
+    monkeypatch.setenv("DSV41_RANK_TOPK_MAX", "0")  # the environment turns the rank route off
+    assert not L._rank_route(x, 10)
+    monkeypatch.setenv("DSV41_RANK_TOPK_MAX", "many")
+    with pytest.raises(ValueError, match="DSV41_RANK_TOPK_MAX"):
+        L.top_k(x, 10)
 
 
 def test_candidate_blocks_keep_the_same_blocks():

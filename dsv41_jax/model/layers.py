@@ -225,10 +225,23 @@ class RMSNorm(nnx.Module):
 
 
 # ------------------------------------------------------------------------------ exact top-k
-# Comparisons (rows x T x T) up to which the top-k of the last axis is formed by ranking (one
-# fused compare-and-count per row) instead of lax.top_k's sort: decode-sized problems, where a
-# sort of a few thousand scores is one slow single-block kernel (11-17 us on the H200, run 17).
-RANK_TOPK_MAX = 1 << 26
+# Comparisons (rows x T x T) up to which the top-k of the last axis is formed by ranking (fused
+# compare-and-count reductions, no scan) instead of lax.top_k's sort: decode-sized problems (up to
+# 16 rows of 1024 scores), where a sort of a few thousand scores is a slow single-block kernel
+# (11-17 us each in the H200 profile of a batch-1 step, run 17). The speed of this route was not
+# measured on the GPU yet (session 8 ran out of device time); ``DSV41_RANK_TOPK_MAX=0`` turns it
+# off for an A/B run. The result is the same either way (tests/test_topk.py).
+RANK_TOPK_MAX = 1 << 24
+
+
+def _rank_topk_max() -> int:
+    env = os.environ.get("DSV41_RANK_TOPK_MAX")
+    if env is None:
+        return RANK_TOPK_MAX
+    try:
+        return int(env)
+    except ValueError:
+        raise ValueError(f"DSV41_RANK_TOPK_MAX={env!r}: not an integer") from None
 
 
 def _total_order_key(x):
@@ -250,7 +263,7 @@ def _ranks(x):
 
 def _rank_route(x, k: int) -> bool:
     T = x.shape[-1]
-    return 0 < k <= T and math.prod(x.shape) * T <= RANK_TOPK_MAX
+    return 0 < k <= T and math.prod(x.shape) * T <= _rank_topk_max()
 
 
 def top_k(x, k: int):
@@ -280,6 +293,11 @@ def top_k_indices_ascending(x, k: int):
     if not _rank_route(x, k):
         _, i = jax.lax.top_k(x, k)
         return jnp.sort(i, axis=-1).astype(jnp.int32)
-    cs = jnp.cumsum((_ranks(x) < k).astype(jnp.int32), axis=-1)
-    # the j-th selected index = how many positions hold fewer than j + 1 selected entries so far
-    return jnp.sum(cs[..., None, :] <= jnp.arange(k, dtype=jnp.int32)[:, None], axis=-1, dtype=jnp.int32)
+    T = x.shape[-1]
+    sel = _ranks(x) < k
+    ar = jnp.arange(T, dtype=jnp.int32)
+    # place of each selected entry among the selected ones: the selected entries before it
+    place = jnp.sum(sel[..., None, :] & (ar[None, :] < ar[:, None]), axis=-1, dtype=jnp.int32)
+    slot = jnp.where(sel, place, k)  # unselected entries fill no slot
+    return jnp.sum(jnp.where(slot[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None], ar, 0), axis=-1,
+                   dtype=jnp.int32)
