@@ -346,8 +346,8 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
         return lax.dot_general(lhs.astype(cd), rhs.astype(cd), dims, precision=prec, preferred_element_type=F32)
 
     if cfg.mode == "chunk":
-        _chunk_program(nb_ref, bg_ref, x_ref, c_ref, s_ref, live=live, j=j, o0=o0, kbase=kbase, kr=kr,
-                       omask=omask, cfg=cfg, K=K, mult=mult, cd=cd, prec=prec, put=put, codes_dtype=codes_dtype)
+        _chunk_program(bg_ref, x_ref, c_ref, s_ref, live=live, j=j, o0=o0, kbase=kbase, kr=kr, omask=omask,
+                       cfg=cfg, mult=mult, cd=cd, prec=prec, put=put, codes_dtype=codes_dtype)
         return
 
     @pl.when(live)
@@ -410,8 +410,8 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
         put(jnp.zeros((tm, bo), F32))
 
 
-def _chunk_program(nb_ref, bg_ref, x_ref, c_ref, s_ref, *, live, j, o0, kbase, kr, omask, cfg: Config, K: int,
-                   mult: float, cd, prec, put, codes_dtype):
+def _chunk_program(bg_ref, x_ref, c_ref, s_ref, *, live, j, o0, kbase, kr, omask, cfg: Config, mult: float, cd,
+                   prec, put, codes_dtype):
     """The "chunk" mode's program: row ``j`` of ``x`` times the codes of its group over the K
     range ``[kbase, kbase + kr)``, one output tile (see the module docstring). fp8 codes arrive
     as their bytes (``c_ref`` uint8), so that the reads past a range's end can be zero-filled."""
