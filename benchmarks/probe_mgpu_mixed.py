@@ -7,7 +7,11 @@ version could approach (the scales add one multiply per weight in registers). On
 (shape, implementation); appended to $OUT/probe_mgpu_mixed.jsonl when $OUT is set.
 
     python3 benchmarks/probe_mgpu_mixed.py                 # on a Hopper GPU
+    python3 benchmarks/probe_mgpu_mixed.py --gemv          # decode shapes (8-64 activation columns)
     python3 benchmarks/probe_mgpu_mixed.py --lower-only    # any machine: the Mosaic kernels lower
+
+Measured in run 17 (docs/performance.md): 1.5-1.6x the Triton kernel at 2048-8192 rows of one
+weight, no gain at 128-row blocks or at decode shapes.
 """
 from __future__ import annotations
 
