@@ -100,15 +100,21 @@ def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
 FP8_KERNEL_MAX_ROWS = 256
 
 
-def fp8_kernel_max_rows() -> int:
-    """``FP8_KERNEL_MAX_ROWS``, or ``DSV41_FP8_KERNEL_MAX_ROWS`` when set (read at trace time)."""
-    env = os.environ.get("DSV41_FP8_KERNEL_MAX_ROWS")
+def _env_int(name: str, default: int) -> int:
+    """Integer environment override read at trace time: ``default`` when unset, one clear error
+    when not an integer."""
+    env = os.environ.get(name)
     if env is None:
-        return FP8_KERNEL_MAX_ROWS
+        return default
     try:
         return int(env)
     except ValueError:
-        raise ValueError(f"DSV41_FP8_KERNEL_MAX_ROWS={env!r}: expected an integer row count") from None
+        raise ValueError(f"{name}={env!r}: expected an integer") from None
+
+
+def fp8_kernel_max_rows() -> int:
+    """``FP8_KERNEL_MAX_ROWS``, or ``DSV41_FP8_KERNEL_MAX_ROWS`` when set (read at trace time)."""
+    return _env_int("DSV41_FP8_KERNEL_MAX_ROWS", FP8_KERNEL_MAX_ROWS)
 
 
 def fp8_matmul(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
@@ -234,16 +240,6 @@ class RMSNorm(nnx.Module):
 RANK_TOPK_MAX = 1 << 24
 
 
-def _rank_topk_max() -> int:
-    env = os.environ.get("DSV41_RANK_TOPK_MAX")
-    if env is None:
-        return RANK_TOPK_MAX
-    try:
-        return int(env)
-    except ValueError:
-        raise ValueError(f"DSV41_RANK_TOPK_MAX={env!r}: not an integer") from None
-
-
 def _total_order_key(x):
     """int32 keys ordered like fp32 ``x`` under IEEE total order (-0 < +0, NaNs at the ends):
     the order ``lax.top_k`` ranks by."""
@@ -263,7 +259,7 @@ def _ranks(x):
 
 def _rank_route(x, k: int) -> bool:
     T = x.shape[-1]
-    return 0 < k <= T and math.prod(x.shape) * T <= _rank_topk_max()
+    return 0 < k <= T and math.prod(x.shape) * T <= _env_int("DSV41_RANK_TOPK_MAX", RANK_TOPK_MAX)
 
 
 def top_k(x, k: int):
