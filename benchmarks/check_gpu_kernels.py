@@ -2,7 +2,11 @@
 line per case): the mHC Sinkhorn (relative and per-entry error) and the grouped qmatmul in its
 split-K decode configurations (int8 experts: the "chunk" mode, against the "dot" mode too; dense
 fp8) and its prefill blocks (128-row expert blocks, 64-row dense fp8 blocks: the weights-left
-operand order, against the other order too).
+operand order, against the other order too), and fused launches (``grouped_qmatmul_fused``:
+routed w1 + w3 at decode and prefill, dense wq_a + wkv and shared w1 + w3 at decode) against one
+reference per weight and, with the same split-K, bit for bit against separate launches; and a
+multi-problem launch (``grouped_qmatmul_multi``: the decode MoE's routed w1 + w3 beside the
+shared expert's fp8 w1 + w3) bit for bit against each problem's own launch.
 
     python3 benchmarks/check_gpu_kernels.py
 """
@@ -70,6 +74,58 @@ def main():
              rel_err=rel(got, want),
              lowp_rel_err=rel(lowp, want), lowp_vs_f32_max_abs=float(jnp.max(jnp.abs(lowp - f32))),
              other_order_rel_err=rel(other, want))
+    for name, G, Os, K, R, kind, bm in (
+            ("fused_routed_w1w3", E, (I, I), D, 6, "int8", 1), ("fused_routed_w1w3_b8", E, (I, I), D, 48, "int8", 1),
+            ("fused_routed_w1w3_prefill", E, (I, I), D, 512, "int8", 128),
+            ("fused_wq_a_wkv", 1, (1280, 512), D, 1, "fp8", 1), ("fused_shared_w1w3", 1, (I, I), D, 1, "fp8", 1)):
+        ks = jax.random.split(jax.random.fold_in(key, R * 11 + sum(Os)), 2 + 2 * len(Os))
+        ws = []
+        for i, O in enumerate(Os):
+            if kind == "int8":
+                codes = jax.random.randint(ks[2 + 2 * i], (G, O, K), -12, 13).astype(jnp.int8)
+            else:
+                codes = jax.random.normal(ks[2 + 2 * i], (G, O, K), jnp.float32).astype(jnp.float8_e4m3fn)
+            ws.append((codes, jax.random.randint(ks[3 + 2 * i], (G, O, K // 32), 118, 126).astype(jnp.uint8)))
+        x = jax.random.normal(ks[0], (R, K), jnp.float32).astype(jnp.bfloat16)
+        bg = jax.random.randint(ks[1], (R // bm,), 0, G).astype(jnp.int32)
+        cfg = Q.choose_config(bm, max(Os), K, True, nb=R // bm, groups=G, outs=list(Os))
+        got = jax.jit(lambda x, bg, ws: Q.grouped_qmatmul_fused(x, bg, R // bm, ws, bm=bm, out_dtype=jnp.float32,
+                                                                impl="triton"))(x, bg, ws)
+        for i, (c, sc) in enumerate(ws):
+            want = jax.jit(lambda *a: Q.grouped_qmatmul_reference(*a, bm=bm, out_dtype=jnp.float32))(
+                x, bg, R // bm, c, sc)
+            alone = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=jnp.float32, impl="triton",
+                                                         splitk=cfg.splitk))(x, bg, R // bm, c, sc)
+            emit(check="qmatmul_fused", case=name, weight=i, mode=cfg.mode, splitk=cfg.splitk,
+                 rel_err=rel(got[i], want), bits_equal_to_separate=bool(jnp.array_equal(got[i], alone)))
+        if name == "fused_routed_w1w3":
+            routed = (x, bg, ws)
+        if name == "fused_shared_w1w3":
+            check_multi(routed, (x, [(c[0], sc[0]) for c, sc in ws]))
+
+
+def check_multi(routed, shared):
+    """The decode MoE's two w1 + w3 problems in one launch, against each alone and the reference."""
+    f32 = jnp.float32
+
+    def problems(xr, bgr, wr, xd, wd):
+        return [dict(x=xr, block_group=bgr, n_blocks=xr.shape[0], weights=wr, bm=1, out_dtype=f32),
+                dict(x=xd, block_group=jnp.zeros((1,), jnp.int32), n_blocks=1, weights=wd, bm=1, out_dtype=f32)]
+
+    multi = jax.jit(lambda *a: Q.grouped_qmatmul_multi(problems(*a), impl="triton"))(*routed, *shared)
+    for pi in range(2):
+        def alone(*a, pi=pi):
+            p = problems(*a)[pi]
+            return Q.grouped_qmatmul_fused(p["x"], p["block_group"], p["n_blocks"], p["weights"], bm=1,
+                                           out_dtype=f32, impl="triton")
+
+        single = jax.jit(alone)(*routed, *shared)
+        p = problems(*routed, *shared)[pi]
+        for i, (c, sc) in enumerate(p["weights"]):
+            want = jax.jit(lambda *a: Q.grouped_qmatmul_reference(*a, bm=1, out_dtype=f32))(
+                p["x"], p["block_group"], p["n_blocks"], c, sc)
+            emit(check="qmatmul_multi", problem=pi, weight=i, rel_err=rel(multi[pi][i], want),
+                 bits_equal_to_alone=bool(jnp.array_equal(multi[pi][i], single[i])))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ original checkpoint and from an Orbax checkpoint converted with ``--dense fp8``;
 exact-range guard, and the partition rules of the new ``scale`` leaves."""
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -67,15 +68,15 @@ def test_row_scales_and_dequant_equal_the_block_decoder():
             fp8_row_scales(np.full((3, 4), bad, np.uint8), o, i)
 
 
-def _random_fp8_linear(rng):
-    """A 96 -> 64 fp8-stored Linear (bf16 fast numerics) with random e4m3 codes (no NaN codes)
-    and scale bytes 110..129."""
-    lin = Linear(96, 64, numerics=Numerics("bfloat16", "fast"))
+def _random_fp8_linear(rng, out: int = 64, numerics=None, quantized: bool = False):
+    """A 96 -> ``out`` fp8-stored Linear (default bf16 fast numerics) with random e4m3 codes (no
+    NaN codes) and scale bytes 110..129."""
+    lin = Linear(96, out, numerics=numerics or Numerics("bfloat16", "fast"), quantized=quantized)
     lin.set_fp8()
-    c = rng.integers(0, 256, (64, 96), dtype=np.uint8)
+    c = rng.integers(0, 256, (out, 96), dtype=np.uint8)
     c[(c & 0x7F) == 0x7F] = 0
     lin.weight.set_value(jnp.asarray(c.view(ml_dtypes.float8_e4m3fn)))
-    lin.scale.set_value(jnp.asarray(rng.integers(110, 130, (64, 3), dtype=np.uint8)))
+    lin.scale.set_value(jnp.asarray(rng.integers(110, 130, (out, 3), dtype=np.uint8)))
     return lin
 
 
@@ -101,6 +102,50 @@ def test_kernel_route(monkeypatch):
         monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("numerics,quantized", [(Numerics("bfloat16", "fast"), False),
+                                                 (Numerics("bfloat16", "reference"), True)], ids=["fast", "reference"])
+def test_fused_linears_route(numerics, quantized, monkeypatch):
+    """``layers.fused_linears`` on the decode kernel path: one ``grouped_qmatmul_fused`` launch
+    for fp8 Linears that read the same input (outputs of different sizes), equal to the separate
+    XLA-route calls up to fp32 summation order (fake-quantized input in reference numerics);
+    separate calls above the row limit, for bf16 weights, and with ``DSV41_FUSED_LAUNCH=0``."""
+    import dsv41_jax.kernels as K
+    from dsv41_jax.kernels import qmatmul as Q
+    from dsv41_jax.model import layers
+
+    rng = np.random.default_rng(7)
+    mods = [_random_fp8_linear(rng, o, numerics, quantized) for o in (64, 40, 32)]
+    x = jnp.asarray(rng.standard_normal((1, 2, 96)), jnp.bfloat16)
+    monkeypatch.setenv("DSV41_KERNELS", "xla")
+    want = [np.asarray(m(x, out_dtype=jnp.float32), np.float32) for m in mods]
+    assert all(np.abs(w).max() > 0 for w in want)
+    calls = []
+    real = Q.grouped_qmatmul_fused
+    monkeypatch.setattr(K, "grouped_qmatmul_fused", lambda x, bg, n, ws, **kw: calls.append(len(ws)) or real(x, bg, n, ws, **kw))
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("DSV41_KERNELS", "pallas")
+    got = layers.fused_linears(x, mods, out_dtype=jnp.float32)
+    assert calls == [3]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0, atol=1e-5 * np.abs(w).max())
+    calls.clear()
+    monkeypatch.setenv("DSV41_FUSED_LAUNCH", "0")
+    layers.fused_linears(x, mods, out_dtype=jnp.float32)
+    assert calls == [1, 1, 1]
+    monkeypatch.setenv("DSV41_FUSED_LAUNCH", "1")
+    calls.clear()
+    layers.fused_linears(jnp.zeros((1, 300, 96), jnp.bfloat16), mods[:2])  # prefill-sized: XLA GEMMs
+    assert calls == []
+    plain = Linear(96, 16, numerics=numerics)
+    got = layers.fused_linears(x, [mods[0], plain], out_dtype=jnp.float32)
+    assert calls == [1] and got[1].shape == (1, 2, 16)  # a bf16 weight: separate calls
+    monkeypatch.setenv("DSV41_FUSED_LAUNCH", "2")
+    with pytest.raises(ValueError, match="DSV41_FUSED_LAUNCH"):
+        layers.fused_linears(x, mods)
 
 
 def test_grouped_wo_a_kernel_route(monkeypatch):
@@ -198,6 +243,46 @@ def test_dense_fp8_logits_identical(pairs, mode):
     np.testing.assert_array_equal(np.asarray(out[0][0]), np.asarray(out[1][0]))
     if mode == "reference":
         np.testing.assert_array_equal(np.asarray(out[0][1]), np.asarray(out[1][1]))
+
+
+def test_dense_fp8_decode_on_the_kernel_path(pairs, monkeypatch):
+    """A decode step of the fp8-stored model on the kernel path (the Pallas interpreter standing
+    in for the GPU): the Linears that read the same input run as fused launches (wq_a + wkv and
+    the shared expert's w1 + w3 in every layer, wq_b + the indexer's wq_b in the index-source
+    layers), and the logits equal the XLA route's up to bf16 roundings of differently ordered
+    fp32 sums."""
+    import dsv41_jax.kernels as K
+    from dsv41_jax.generate import _forward, _split_flat, forward_chunk
+    from dsv41_jax.kernels import qmatmul as Q
+    from dsv41_jax.model import layers
+
+    _, b = _pair(pairs, Numerics("bfloat16", "reference"))
+    ids = jnp.asarray(np.random.default_rng(3).integers(3, 240, (1, 11)), jnp.int32)  # the shapes of
+    cache = b.init_cache(1, 16)  # test_dense_fp8_logits_identical: its executables are reused
+    lp, cache = forward_chunk(b, ids, cache)
+    nxt = jnp.argmax(lp[:, -1:], -1).astype(jnp.int32)
+    want, _ = forward_chunk(b, nxt, jax.tree.map(jnp.copy, cache))
+    calls = []
+    real = Q.grouped_qmatmul_fused
+    monkeypatch.setattr(K, "grouped_qmatmul_fused",
+                        lambda x, bg, n, ws, **kw: calls.append(tuple(int(c.shape[-2]) for c, _ in ws)) or real(x, bg, n, ws, **kw))
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    monkeypatch.setenv("DSV41_SINKHORN", "xla")  # the jnp Sinkhorn: this test is about the Linears
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("DSV41_KERNELS", "pallas")
+    graphdef, state = _split_flat(b)  # a fresh jit: the kernel choices are read at trace time
+    got, _ = jax.jit(functools.partial(_forward, graphdef))(state, cache, nxt, jnp.ones(nxt.shape, bool), None, None, None)
+    t = b.config.text
+    fused = [c for c in calls if len(c) == 2]
+    n_index = sum(1 for p in t.layers if p.ratio > 0 and p.owns_indexer)
+    assert n_index > 0
+    assert fused.count((t.q_lora_rank, t.head_dim)) == t.num_hidden_layers  # wq_a + wkv
+    assert fused.count((t.moe_intermediate_size,) * 2) == t.num_hidden_layers  # shared w1 + w3
+    assert fused.count((t.num_attention_heads * t.head_dim, t.index_n_heads * t.index_head_dim)) == n_index
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert g.shape == w.shape
+    np.testing.assert_allclose(g, w, rtol=0, atol=3e-2 * np.abs(w).max())
+    assert int(np.argmax(g)) == int(np.argmax(w))
 
 
 def test_dense_fp8_needs_fp8_weights():

@@ -197,6 +197,117 @@ def test_kernel_rejects_bad_shapes():
         Q.grouped_qmatmul(x, jnp.zeros((6,), jnp.int32), 1, codes, scale, bm=1, impl="cuda")
 
 
+# ------------------------------------------------------------------------------ fused launches
+# (kind, G, output sizes, K, bm, n_blocks, used, tiles): decode chunk blocks, dense one-row and
+# padded blocks, prefill blocks, the 1-D launch order, unscaled weights, explicit split-K
+FUSED = [
+    ("int8", 6, (40, 72), 1024, 1, 7, 5, {}),
+    ("int8", 6, (40, 40), 256, 1, 7, 5, {"splitk": 4}),
+    ("fp8", 1, (72, 40, 32), 256, 1, 3, 3, {}),
+    ("fp8", 1, (40, 96), 128, 8, 2, 2, {}),
+    ("int8", 3, (72, 40), 128, 64, 3, 2, {}),
+    ("fp8", 1, (72, 40), 64, 16, 7, 7, {"bo": 32, "group_rows": 3}),
+    ("bf16", 6, (40, 24), 96, 1, 6, 5, {}),
+]
+
+
+@pytest.mark.parametrize("kind,G,Os,K,bm,nb,used,tiles", FUSED,
+                         ids=[f"{c[0]}-G{c[1]}-O{'x'.join(map(str, c[2]))}-bm{c[4]}-{len(c[7])}" for c in FUSED])
+def test_fused_launch_matches_separate_calls(kind, G, Os, K, bm, nb, used, tiles):
+    """One launch over several weights gives each weight's own result: against the XLA reference
+    (fp32 outputs, summation order only), and bit for bit against one call per weight when both
+    use the same tiles and split-K."""
+    rng = np.random.default_rng(5)
+    ws = [_weights(rng, kind, G, O, K) for O in Os]
+    if G == 1 and kind == "fp8":
+        ws = [(c[0], s[0]) for c, s in ws]  # dense weights: [O, K] + [O, K/32]
+    x = jnp.asarray(rng.standard_normal((nb * bm, K)), jnp.bfloat16)
+    bg = jnp.asarray(rng.integers(0, G, nb), jnp.int32).at[0].set(G - 1)
+    got = Q.grouped_qmatmul_fused(x, bg, used, ws, bm=bm, out_dtype=F32, impl="interpret", **tiles)
+    assert len(got) == len(Os)
+    cfg = Q.choose_config(bm, max(Os), K, ws[0][1] is not None, groups=G, nb=nb, outs=list(Os), **tiles)
+    for (c, s), O, y in zip(ws, Os, got):
+        ref = Q.grouped_qmatmul_reference(x, bg, used, c, s, bm=bm, out_dtype=F32)
+        assert y.shape == (nb * bm, O)
+        assert _rel(y, ref) < 1e-6
+        assert np.all(np.asarray(y[used * bm:]) == 0) and np.max(np.abs(np.asarray(y[: used * bm]))) > 0
+        same = Q.grouped_qmatmul(x, bg, used, c, s, bm=bm, out_dtype=F32, impl="interpret",
+                                 **{**tiles, "splitk": cfg.splitk, "bo": cfg.bo})
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(same))
+    xla = Q.grouped_qmatmul_fused(x, bg, used, ws, bm=bm, out_dtype=F32, impl="xla")
+    for y, r in zip(got, xla):
+        assert _rel(y, r) < 1e-6
+
+
+def test_fused_launch_split_k_counts_all_tiles():
+    # two routed weights of one token: 2 x 72 x 6 programs need no split-K, one alone needs 2
+    assert Q.choose_config(1, 2304, 5120, True, nb=6, groups=384).splitk == 2
+    assert Q.choose_config(1, 2304, 5120, True, nb=6, groups=384, outs=[2304, 2304]).splitk == 1
+
+
+def test_fused_launch_rejects_mixed_weights():
+    rng = np.random.default_rng(6)
+    a, b = _weights(rng, "int8", 2, 8, 64), _weights(rng, "fp8", 2, 8, 64)
+    x = jnp.zeros((2, 64), jnp.bfloat16)
+    bg = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="differ"):
+        Q.grouped_qmatmul_fused(x, bg, 2, [a, b], bm=1, impl="interpret")
+    with pytest.raises(ValueError, match="differ"):
+        Q.grouped_qmatmul_fused(x, bg, 2, [a, (a[0][:1], a[1][:1])], bm=1, impl="interpret")
+    with pytest.raises(ValueError, match="no weights"):
+        Q.grouped_qmatmul_fused(x, bg, 2, [], bm=1, impl="interpret")
+    with pytest.raises(ValueError, match="x has K"):
+        Q.grouped_qmatmul_fused(x, bg, 2, [a, _weights(rng, "int8", 2, 8, 96)], bm=1, impl="interpret")
+
+
+def test_multi_launch_equals_each_problem_alone():
+    """Independent problems in one launch (``grouped_qmatmul_multi``): routed-style int8 one-row
+    blocks (chunk mode, two weights), a dense fp8 weight pair on one row (dot mode, split-K), and
+    unscaled bf16 weights in 4-row blocks with another K. Each result equals its problem's own
+    ``grouped_qmatmul_fused`` call bit for bit, and the XLA reference up to summation order."""
+    rng = np.random.default_rng(8)
+    routed = [_weights(rng, "int8", 6, O, 1024) for O in (40, 72)]
+    dense = [(c[0], s[0]) for c, s in (_weights(rng, "fp8", 1, O, 1024) for O in (64, 40))]
+    plain = [_weights(rng, "bf16", 3, 24, 96)]
+    xr = jnp.asarray(rng.standard_normal((5, 1024)), jnp.bfloat16)
+    xd = jnp.asarray(rng.standard_normal((1, 1024)), jnp.bfloat16)
+    xp = jnp.asarray(rng.standard_normal((8, 96)), jnp.bfloat16)
+    problems = [dict(x=xr, block_group=jnp.asarray([5, 0, 3, 3, 1], jnp.int32), n_blocks=4, weights=routed, bm=1,
+                     out_dtype=F32),
+                dict(x=xd, block_group=jnp.zeros((1,), jnp.int32), n_blocks=1, weights=dense, bm=1, out_dtype=F32),
+                dict(x=xp, block_group=jnp.asarray([2, 0], jnp.int32), n_blocks=2, weights=plain, bm=4)]
+    modes = [Q.choose_config(p["bm"], max(c.shape[-2] for c, _ in p["weights"]), p["x"].shape[1], True,
+                             groups=p["weights"][0][0].shape[0] if p["weights"][0][0].ndim == 3 else 1,
+                             nb=p["x"].shape[0] // p["bm"], outs=[c.shape[-2] for c, _ in p["weights"]]).mode
+             for p in problems[:2]]
+    assert modes == ["chunk", "dot"]
+    got = Q.grouped_qmatmul_multi(problems, impl="interpret")
+    assert len(got) == 3 and [len(g) for g in got] == [2, 2, 1]
+    for p, outs in zip(problems, got):
+        kw = {k: v for k, v in p.items() if k not in ("x", "block_group", "n_blocks", "weights")}
+        alone = Q.grouped_qmatmul_fused(p["x"], p["block_group"], p["n_blocks"], p["weights"], impl="interpret", **kw)
+        for y, a, (c, s) in zip(outs, alone, p["weights"]):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(a))
+            ref = Q.grouped_qmatmul_reference(p["x"], p["block_group"], p["n_blocks"], c, s, bm=p["bm"],
+                                              out_dtype=y.dtype)
+            assert y.dtype == ref.dtype and _rel(y, ref) < (1e-6 if y.dtype == F32 else 1e-2)
+            assert np.all(np.asarray(y[p["n_blocks"] * p["bm"]:]) == 0)
+    xla = Q.grouped_qmatmul_multi(problems, impl="xla")
+    assert [len(g) for g in xla] == [2, 2, 1]
+
+
+def test_multi_launch_rejects_bad_problems():
+    rng = np.random.default_rng(9)
+    w = [_weights(rng, "int8", 2, 8, 64)]
+    p = dict(x=jnp.zeros((2, 64), jnp.bfloat16), block_group=jnp.zeros((2,), jnp.int32), n_blocks=2, weights=w, bm=1)
+    with pytest.raises(ValueError, match="unknown problem keys"):
+        Q.grouped_qmatmul_multi([dict(p, rows=2)], impl="interpret")
+    q = dict(p, x=jnp.zeros((32, 64), jnp.bfloat16), block_group=jnp.zeros((2,), jnp.int32), bm=16,
+             tiles={"group_rows": 2, "bo": 8})
+    with pytest.raises(ValueError, match="group_rows"):
+        Q.grouped_qmatmul_multi([p, q], impl="interpret")
+
+
 # ------------------------------------------------------------------------------ MoE integration
 def _moe(numerics, int8: bool, seed: int = 0):
     cfg = with_text_overrides(preset("tiny"), n_routed_experts=24, num_experts_per_tok=3, moe_intermediate_size=96)
@@ -243,6 +354,50 @@ def test_moe_pallas_path_matches_dense(numerics, int8, monkeypatch):
     monkeypatch.setenv("DSV41_MOE_PATH", "dense")
     y_d = np.asarray(jax.jit(lambda a: moe(a))(x), np.float64)
     assert _rel(y_p, y_d) <= 2 * tol
+
+
+@pytest.mark.parametrize("numerics", [Numerics("float32", "fast"), Numerics("bfloat16", "reference")],
+                         ids=["fp32-fast", "bf16-reference"])
+def test_moe_decode_shares_launches_with_the_shared_expert(numerics, monkeypatch):
+    """Decode on the kernel path with an fp8 shared expert: its w1 + w3 run in the routed w1 + w3
+    launch and its w2 in the routed w2 launch (two ``grouped_qmatmul_multi`` launches), bit for
+    bit ``routed_pallas`` plus the shared expert's own fused launches, and MoE.__call__ takes
+    that route; the dense XLA route agrees up to summation order."""
+    import ml_dtypes
+
+    import dsv41_jax.kernels as K
+    from dsv41_jax.model import layers
+
+    t, moe = _moe(numerics, True)
+    rng = np.random.default_rng(12)
+    for lin in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3):
+        lin.quantized = numerics.fake_quant
+        lin.set_fp8()
+        c = rng.integers(0, 256, (lin.out_features, lin.in_features), dtype=np.uint8)
+        c[(c & 0x7F) == 0x7F] = 0
+        lin.weight.set_value(jnp.asarray(c.view(ml_dtypes.float8_e4m3fn)))
+        lin.scale.set_value(jnp.asarray(rng.integers(118, 126, (lin.out_features, lin.in_features // 32)), jnp.uint8))
+    x = jnp.asarray(rng.standard_normal((2, t.hidden_size)), numerics.dtype)
+    w, ids = moe.gate(x)
+    monkeypatch.setenv("DSV41_MOE_PATH", "dense")
+    want = np.asarray(jax.jit(lambda a: moe(a))(x), np.float64)
+    calls = []
+    real = Q.grouped_qmatmul_multi
+    monkeypatch.setattr(K, "grouped_qmatmul_multi", lambda ps, **kw: calls.append(len(ps)) or real(ps, **kw))
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setenv("DSV41_KERNELS", "pallas")
+    monkeypatch.setenv("DSV41_MOE_PATH", "pallas")
+    both = np.asarray(jax.jit(moe.routed_pallas_with_shared)(x, w, ids))
+    assert calls == [2, 2]
+    apart = jax.jit(lambda a, b, c: moe.routed_pallas(a, b, c) + moe.shared_experts(a).astype(F32))(x, w, ids)
+    np.testing.assert_array_equal(both, np.asarray(apart))
+    calls.clear()
+    got = np.asarray(jax.jit(lambda a: moe(a))(x), np.float64)
+    assert calls == [2, 2]
+    np.testing.assert_array_equal(got, both.astype(numerics.dtype).astype(np.float64))
+    assert _rel(got, want) <= (1e-5 if numerics.dtype == F32 else 2 ** -6)
+    assert moe.routed_pallas_with_shared(jnp.tile(x, (8, 1)), *moe.gate(jnp.tile(x, (8, 1)))) is None  # 48 pairs
 
 
 def test_moe_path_selection(monkeypatch):

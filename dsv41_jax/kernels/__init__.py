@@ -1,10 +1,11 @@
 """Hand-written accelerator kernels (Pallas) with their XLA reference implementations."""
 import os
 
-from dsv41_jax.kernels.qmatmul import dequantize, grouped_qmatmul, grouped_qmatmul_reference, kernel_impl, offsets_fit
+from dsv41_jax.kernels.qmatmul import (dequantize, grouped_qmatmul, grouped_qmatmul_fused, grouped_qmatmul_multi,
+                                      grouped_qmatmul_reference, kernel_impl, offsets_fit)
 
-__all__ = ["auto_split", "dequantize", "grouped_qmatmul", "grouped_qmatmul_reference", "kernel_impl",
-           "offsets_fit", "use_pallas"]
+__all__ = ["auto_split", "dequantize", "fused_launches", "grouped_qmatmul", "grouped_qmatmul_fused",
+           "grouped_qmatmul_multi", "grouped_qmatmul_reference", "kernel_impl", "offsets_fit", "use_pallas"]
 
 # GPUs the Triton kernels were measured on (compute capability >= 9.0: Hopper, H200 in
 # docs/performance.md runs 5-7); elsewhere "auto" keeps the XLA paths
@@ -29,6 +30,17 @@ def use_pallas() -> bool:
     except (TypeError, ValueError):
         cap = 0.0
     return cap >= _MIN_CAPABILITY
+
+
+def fused_launches() -> bool:
+    """Whether projections that read the same input share one kernel launch
+    (``grouped_qmatmul_fused``: the routed experts' w1 and w3, the fp8 Linears of
+    ``layers.fused_linears``). ``DSV41_FUSED_LAUNCH=0`` turns it off (separate launches, for A/B
+    runs); read at trace time."""
+    mode = os.environ.get("DSV41_FUSED_LAUNCH", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"DSV41_FUSED_LAUNCH={mode!r}: use 1 (fused, the default) or 0")
+    return mode == "1"
 
 
 def auto_split(*axes: str) -> bool:

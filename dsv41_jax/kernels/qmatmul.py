@@ -240,13 +240,14 @@ def _tuning(size: str) -> dict:
 
 
 def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb: int = 1, groups: int = 1,
-                  **override) -> Config:
+                  outs=None, **override) -> Config:
     """Tiles for a problem: ``TUNING`` for ``mode`` "auto" ("one_row" for one-row blocks of
     scaled weights of several groups: the decode MoE experts, "small" for other blocks of up to
     16 rows, "large" above), "dot" ("small" / "large") or "chunk"; "reduce" takes its own
     defaults (one-row blocks: the accumulate-then-reduce form); ``override``: any ``Config``
     field (tuning sweeps). ``nb`` (row blocks) sizes the automatic split-K (``auto_splitk``;
-    ``splitk=1`` turns it off)."""
+    ``splitk=1`` turns it off); ``outs``: the output sizes of a fused launch (``O`` is their
+    largest), whose tiles together size the split-K."""
     if mode == "auto" and bm == 1 and scaled and groups > 1:
         cfg = _tuning("one_row")
     elif mode in ("auto", "dot"):
@@ -275,7 +276,8 @@ def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb:
     if cfg.get("group_rows"):
         cfg["splitk"] = 1
     elif cfg.get("splitk") is None:
-        cfg["splitk"] = auto_splitk(-(-O // cfg["bo"]) * nb, K, min_range=cfg["bk"] if chunk else None)
+        n_o = sum(-(-o // cfg["bo"]) for o in (outs or [O]))
+        cfg["splitk"] = auto_splitk(n_o * nb, K, min_range=cfg["bk"] if chunk else None)
     if K % cfg["splitk"] or (scaled and (K // cfg["splitk"]) % QBLOCK):
         raise ValueError(f"grouped_qmatmul: splitk={cfg['splitk']} does not cut K={K} into 32-input ranges")
     if not chunk:
@@ -302,15 +304,15 @@ def _store(ref, val, mask):
     plgpu.store(ref, val, mask=jnp.broadcast_to(mask, val.shape))
 
 
-def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, O: int, K: int,
+def _kernel(nb_ref, bg_ref, x_ref, *refs, cfg: Config, bm: int, nb: int, Os: tuple, K: int,
             scaled: bool, mult: float, cd, out_dtype, codes_dtype=None):
+    """One program: output tile ``oi`` of the weights' concatenated output tiles (weight ``i``
+    owns tiles ``starts[i] .. starts[i + 1] - 1``), row block ``j``, K range ``ks``. ``refs``:
+    each weight's codes (and scale) ref, then each weight's output ref."""
     from jax.experimental import pallas as pl
 
-    s_ref, o_ref = rest if scaled else (None, rest[0])
-    tm, bo, bk = cfg.tm, cfg.bo, cfg.bk
-    nkb = bk // QBLOCK
     if cfg.group_rows:
-        n_o = pl.cdiv(O, bo)
+        n_o = _tile_starts(Os, cfg.bo)[-1]
         per_group = cfg.group_rows * n_o
         pid = pl.program_id(0)
         first = (pid // per_group) * cfg.group_rows
@@ -319,8 +321,48 @@ def _kernel(nb_ref, bg_ref, x_ref, c_ref, *rest, cfg: Config, bm: int, nb: int, 
         oi, j = local // size, first + local % size
     else:
         oi, j = pl.program_id(0), pl.program_id(1)
+    ks = pl.program_id(2) if cfg.splitk > 1 else 0  # K range (read here: outside the weight branches)
+    _weights_program(nb_ref, bg_ref, x_ref, refs, oi=oi, j=j, ks=ks, cfg=cfg, bm=bm, nb=nb, Os=Os, K=K,
+                     scaled=scaled, mult=mult, cd=cd, out_dtype=out_dtype, codes_dtype=codes_dtype)
+
+
+def _tile_starts(Os, bo: int) -> list:
+    """First output tile of each weight in a launch over the weights' concatenated tiles."""
+    starts = [0]
+    for O in Os:
+        starts.append(starts[-1] + -(-O // bo))
+    return starts
+
+
+def _weights_program(nb_ref, bg_ref, x_ref, refs, *, oi, Os, scaled: bool, **kw):
+    """Run tile ``oi`` of the concatenated output tiles on the weight that owns it (``refs``: each
+    weight's codes (and scale) ref, then each weight's output ref)."""
+    from jax.experimental import pallas as pl
+
+    n_w = len(Os)
+    per = 2 if scaled else 1
+    w_refs = [refs[i * per:(i + 1) * per] for i in range(n_w)]
+    o_refs = refs[n_w * per:]
+    if n_w == 1:
+        _program(nb_ref, bg_ref, x_ref, *w_refs[0], o_refs[0], oi=oi, O=Os[0], scaled=scaled, **kw)
+        return
+    starts = _tile_starts(Os, kw["cfg"].bo)
+    for i in range(n_w):
+        @pl.when((oi >= starts[i]) & (oi < starts[i + 1]))
+        def _weight_i(i=i):
+            _program(nb_ref, bg_ref, x_ref, *w_refs[i], o_refs[i], oi=oi - starts[i], O=Os[i], scaled=scaled, **kw)
+
+
+def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: int, nb: int, O: int, K: int,
+             scaled: bool, mult: float, cd, out_dtype, codes_dtype):
+    """The work of one program on one weight: output tile ``oi`` (of this weight), row block ``j``,
+    K range ``ks``."""
+    from jax.experimental import pallas as pl
+
+    s_ref, o_ref = rest if scaled else (None, rest[0])
+    tm, bo, bk = cfg.tm, cfg.bo, cfg.bk
+    nkb = bk // QBLOCK
     kr = K // cfg.splitk                                               # inputs of this program
-    ks = pl.program_id(2) if cfg.splitk > 1 else 0                     # K range of this program
     kbase = ks * kr
 
     def put(val):  # this program's output tile (an fp32 partial-sum slice under split-K)
@@ -459,40 +501,130 @@ def _load_or(ref, mask):
     return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
 
 
-def _pallas(x, block_group, n_blocks, codes, scale, *, bm, out_dtype, mult, cfg: Config, interpret: bool):
+def _operands(x, block_group, n_blocks, weights, cfg: Config) -> list:
+    """The kernel operands of one problem: n_blocks, block_group, x, then each weight's codes
+    (and scale), in the views the inner mode reads."""
+    R, K = x.shape
+    x_v = x
+    ops = []
+    for codes, scale in weights:
+        G, O = codes.shape[:2]
+        if scale is not None and not (cfg.mode == "dot" and cfg.split) and cfg.mode != "chunk":
+            # 32-input scale blocks as their own axis (free views of contiguous arrays)
+            codes_v = codes.reshape(G, O, K // QBLOCK, QBLOCK)
+            x_v = x.reshape(R, K // QBLOCK, QBLOCK) if cfg.mode == "reduce" else x
+        elif cfg.mode == "chunk" and jnp.issubdtype(codes.dtype, jnp.floating) and codes.dtype.itemsize == 1:
+            codes_v = lax.bitcast_convert_type(codes, jnp.uint8)  # fp8 codes as bytes (zero-filled reads)
+        else:
+            codes_v = codes
+        ops += [codes_v] + ([scale] if scale is not None else [])
+    return [jnp.asarray(n_blocks, jnp.int32).reshape(1), block_group.astype(jnp.int32), x_v] + ops
+
+
+def _out_shapes(R: int, Os, cfg: Config, out_dtype) -> list:
+    return [jax.ShapeDtypeStruct((cfg.splitk, R, O), F32) if cfg.splitk > 1 else jax.ShapeDtypeStruct((R, O), out_dtype)
+            for O in Os]
+
+
+def _cost(x, weights, bm: int, out_dtype):
+    from jax.experimental import pallas as pl
+
+    R, K = x.shape
+    Os = [c.shape[1] for c, _ in weights]
+    wbytes = sum(jnp.dtype(c.dtype).itemsize * c.shape[1] * K + (c.shape[1] * K // QBLOCK if s is not None else 0)
+                 for c, s in weights)
+    return pl.CostEstimate(flops=2 * R * sum(Os) * K, transcendentals=0,
+                           bytes_accessed=R // bm * wbytes + x.nbytes + R * sum(Os) * jnp.dtype(out_dtype).itemsize)
+
+
+def _finish(ys, cfg: Config, out_dtype) -> tuple:
+    if cfg.splitk > 1:  # fp32 partials of the K ranges: one fp32 sum, one rounding
+        return tuple(jnp.sum(y, axis=0).astype(out_dtype) for y in ys)
+    return tuple(ys)
+
+
+def _pallas(x, block_group, n_blocks, weights, *, bm, out_dtype, mult, cfg: Config, interpret: bool):
+    """One ``pallas_call`` for the weights ``[(codes [G, O_i, K], scale or None), ...]`` (same G, K,
+    dtypes): their output tiles form one launch. Returns one output per weight."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     R, K = x.shape
-    G, O, _ = codes.shape
-    scaled = scale is not None
+    codes0 = weights[0][0]
+    Os = tuple(int(c.shape[1]) for c, _ in weights)
     nb = R // bm
-    cd = x.dtype
-    args = [jnp.asarray(n_blocks, jnp.int32).reshape(1), block_group.astype(jnp.int32)]
-    if scaled and not (cfg.mode == "dot" and cfg.split) and cfg.mode != "chunk":
-        # 32-input scale blocks as their own axis (free views of contiguous arrays)
-        codes_v = codes.reshape(G, O, K // QBLOCK, QBLOCK)
-        x_v = x.reshape(R, K // QBLOCK, QBLOCK) if cfg.mode == "reduce" else x
-    elif cfg.mode == "chunk" and jnp.issubdtype(codes.dtype, jnp.floating) and codes.dtype.itemsize == 1:
-        codes_v, x_v = lax.bitcast_convert_type(codes, jnp.uint8), x  # fp8 codes as bytes (zero-filled reads)
-    else:
-        codes_v, x_v = codes, x
-    args += [x_v, codes_v] + ([scale] if scaled else [])
-    kernel = functools.partial(_kernel, cfg=cfg, bm=bm, nb=nb, O=O, K=K, scaled=scaled, mult=mult, cd=cd,
-                               out_dtype=out_dtype, codes_dtype=codes.dtype)
-    grid = (pl.cdiv(O, cfg.bo) * nb,) if cfg.group_rows else (pl.cdiv(O, cfg.bo), nb, cfg.splitk)
-    out_shape = (jax.ShapeDtypeStruct((cfg.splitk, R, O), F32) if cfg.splitk > 1
-                 else jax.ShapeDtypeStruct((R, O), out_dtype))
-    wbytes = jnp.dtype(codes.dtype).itemsize * O * K + (O * K // QBLOCK if scaled else 0)
-    cost = pl.CostEstimate(flops=2 * R * O * K, transcendentals=0,
-                           bytes_accessed=nb * wbytes + x.nbytes + R * O * jnp.dtype(out_dtype).itemsize)
+    kernel = functools.partial(_kernel, cfg=cfg, bm=bm, nb=nb, Os=Os, K=K, scaled=weights[0][1] is not None,
+                               mult=mult, cd=x.dtype, out_dtype=out_dtype, codes_dtype=codes0.dtype)
+    n_o = _tile_starts(Os, cfg.bo)[-1]
+    grid = (n_o * nb,) if cfg.group_rows else (n_o, nb, cfg.splitk)
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                                                        num_stages=cfg.num_stages))
-    y = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret, cost_estimate=cost,
-                       name="grouped_qmatmul", **kw)(*args)
-    if cfg.splitk > 1:  # fp32 partials of the K ranges: one fp32 sum, one rounding
-        y = jnp.sum(y, axis=0).astype(out_dtype)
-    return y
+    ys = pl.pallas_call(kernel, out_shape=tuple(_out_shapes(R, Os, cfg, out_dtype)), grid=grid, interpret=interpret,
+                        cost_estimate=_cost(x, weights, bm, out_dtype), name="grouped_qmatmul",
+                        **kw)(*_operands(x, block_group, n_blocks, weights, cfg))
+    return _finish(ys, cfg, out_dtype)
+
+
+def _multi_kernel(*refs, metas):
+    """A launch over several problems (``grouped_qmatmul_multi``): program ``pid`` of the 1-D
+    grid belongs to the problem whose program range holds it and is decoded into that problem's
+    (output tile, row block, K range), output tiles fastest, as ``_kernel``'s 3-D grid orders
+    them. ``refs``: every problem's operands (``_operands``), then every problem's outputs."""
+    from jax.experimental import pallas as pl
+
+    pid = pl.program_id(0)
+    ins = sum(m["n_in"] for m in metas)
+    i_at, o_at, first = 0, ins, 0
+    for m in metas:
+        p_in = refs[i_at:i_at + m["n_in"]]
+        p_out = refs[o_at:o_at + len(m["Os"])]
+        i_at, o_at = i_at + m["n_in"], o_at + len(m["Os"])
+        n_o, nb, count = m["n_o"], m["nb"], m["count"]
+
+        @pl.when((pid >= first) & (pid < first + count))
+        def _problem(p_in=p_in, p_out=p_out, m=m, first=first, n_o=n_o, nb=nb):
+            local = pid - first
+            oi, rest = local % n_o, local // n_o
+            _weights_program(p_in[0], p_in[1], p_in[2], tuple(p_in[3:]) + tuple(p_out), oi=oi, j=rest % nb,
+                             ks=rest // nb, **m["kw"])
+
+        first += count
+
+
+def _pallas_multi(problems, interpret: bool) -> list:
+    """One ``pallas_call`` for several prepared problems (each: x, block_group, n_blocks, weights,
+    bm, out_dtype, mult, cfg); one tuple of outputs per problem."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    metas, args, outs, flops, nbytes = [], [], [], 0, 0
+    for x, bg, n_blocks, weights, bm, out_dtype, mult, cfg in problems:
+        if cfg.group_rows:
+            raise ValueError("grouped_qmatmul_multi: the 1-D group_rows launch order runs alone")
+        R, K = x.shape
+        Os = tuple(int(c.shape[1]) for c, _ in weights)
+        nb = R // bm
+        n_o = _tile_starts(Os, cfg.bo)[-1]
+        ops = _operands(x, bg, n_blocks, weights, cfg)
+        kw = dict(cfg=cfg, bm=bm, nb=nb, Os=Os, K=K, scaled=weights[0][1] is not None, mult=mult, cd=x.dtype,
+                  out_dtype=out_dtype, codes_dtype=weights[0][0].dtype)
+        metas.append(dict(n_in=len(ops), Os=Os, n_o=n_o, nb=nb, count=n_o * nb * cfg.splitk, kw=kw))
+        args += ops
+        outs += _out_shapes(R, Os, cfg, out_dtype)
+        c = _cost(x, weights, bm, out_dtype)
+        flops, nbytes = flops + c.flops, nbytes + c.bytes_accessed
+    cfgs = [p[-1] for p in problems]
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
+        num_warps=max(c.num_warps for c in cfgs), num_stages=max(c.num_stages for c in cfgs)))
+    ys = pl.pallas_call(functools.partial(_multi_kernel, metas=tuple(metas)), out_shape=tuple(outs),
+                        grid=(sum(m["count"] for m in metas),), interpret=interpret,
+                        cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes),
+                        name="grouped_qmatmul_multi", **kw)(*args)
+    res, at = [], 0
+    for (x, bg, n_blocks, weights, bm, out_dtype, mult, cfg), m in zip(problems, metas):
+        res.append(_finish(ys[at:at + len(m["Os"])], cfg, out_dtype))
+        at += len(m["Os"])
+    return res
 
 
 def offsets_fit(shape, dtype) -> bool:
@@ -528,19 +660,97 @@ def grouped_qmatmul(x, block_group, n_blocks, codes, scale=None, *, bm: int, out
     ``x.dtype`` (weights are dequantized to it), accumulation fp32, result ``out_dtype``
     (default ``x.dtype``) [R, O]; blocks ``>= n_blocks`` are zeros. ``mode`` / ``tiles``
     (``Config`` fields) tune the kernel; see the module docstring."""
-    codes, scale = _grouped(codes, scale)
-    R, K, G, O = _check(x, block_group, codes, scale, bm)
+    return grouped_qmatmul_fused(x, block_group, n_blocks, [(codes, scale)], bm=bm, out_dtype=out_dtype,
+                                 mult=mult, impl=impl, mode=mode, **tiles)[0]
+
+
+def _prepare(x, block_group, weights, *, bm: int, out_dtype, mult, impl: str, mode: str, tiles: dict):
+    """Checks of one problem -> (weights as [G, O, K] groups, out dtype, code multiplier, impl
+    resolved, Config or None on the XLA route)."""
+    if not weights:
+        raise ValueError("grouped_qmatmul_fused: no weights")
+    weights = [_grouped(c, s) for c, s in weights]
+    (codes0, scale0) = weights[0]
+    R, K, G, O0 = _check(x, block_group, codes0, scale0, bm)
+    for codes, scale in weights[1:]:
+        _check(x, block_group, codes, scale, bm)
+        if codes.shape[0] != G or codes.dtype != codes0.dtype or (scale is None) != (scale0 is None):
+            raise ValueError(f"grouped_qmatmul_fused: weights {codes.shape} {codes.dtype} and {codes0.shape} "
+                             f"{codes0.dtype} differ in groups, code dtype or scaling")
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-    mult = default_mult(codes.dtype) if mult is None else float(mult)
+    mult = default_mult(codes0.dtype) if mult is None else float(mult)
     requested, impl = impl, kernel_impl(impl)
-    if impl == "triton" and not (offsets_fit(codes.shape, codes.dtype) and offsets_fit(x.shape, x.dtype)):
+    if impl == "triton" and not (all(offsets_fit(c.shape, c.dtype) for c, _ in weights)
+                                 and offsets_fit(x.shape, x.dtype)):
         if requested == "triton":
-            raise ValueError(f"grouped_qmatmul: weights {codes.shape} {codes.dtype} fall in the range the Triton "
+            bad = next((c for c, _ in weights if not offsets_fit(c.shape, c.dtype)), x)
+            raise ValueError(f"grouped_qmatmul: operand {bad.shape} {bad.dtype} falls in the range the Triton "
                              "lowering addresses with overflowing 32-bit offsets (see offsets_fit)")
         impl = "xla"
+    cfg = None
+    if impl != "xla":
+        Os = [c.shape[1] for c, _ in weights]
+        cfg = choose_config(bm, max(Os), K, scale0 is not None, mode, nb=R // bm, groups=G, outs=Os, **tiles)
+    return weights, out_dtype, mult, impl, cfg
+
+
+def _reference_all(x, block_group, n_blocks, weights, bm, out_dtype, mult) -> tuple:
+    return tuple(grouped_qmatmul_reference(x, block_group, n_blocks, c, s, bm=bm, out_dtype=out_dtype, mult=mult)
+                 for c, s in weights)
+
+
+def grouped_qmatmul_fused(x, block_group, n_blocks, weights, *, bm: int, out_dtype=None,
+                          mult: float | None = None, impl: str = "auto", mode: str = "auto", **tiles):
+    """``grouped_qmatmul`` of one ``x`` against several weights in one kernel launch.
+
+    ``weights``: ``[(codes, scale), ...]``, each as ``grouped_qmatmul`` takes them, all with the
+    same groups, K, code dtype and scaling (e.g. an expert's w1 and w3, or the projections that
+    read the same normalized hidden state); their output sizes may differ. Returns a tuple with
+    one [R, O_i] result per weight, each equal to its own ``grouped_qmatmul`` call (the same
+    kernel tiles run on each weight's tiles; only the split-K choice, and so the fp32 summation
+    order, may differ). The launch is one grid over all weights' output tiles: small GEMVs
+    stream together instead of paying each kernel's ramp-up and tail."""
+    weights, out_dtype, mult, impl, cfg = _prepare(x, block_group, weights, bm=bm, out_dtype=out_dtype, mult=mult,
+                                                   impl=impl, mode=mode, tiles=tiles)
     if impl == "xla":
-        return grouped_qmatmul_reference(x, block_group, n_blocks, codes, scale, bm=bm,
-                                         out_dtype=out_dtype, mult=mult)
-    cfg = choose_config(bm, O, K, scale is not None, mode, nb=R // bm, groups=G, **tiles)
-    return _pallas(x, block_group, n_blocks, codes, scale, bm=bm, out_dtype=out_dtype, mult=mult, cfg=cfg,
+        return _reference_all(x, block_group, n_blocks, weights, bm, out_dtype, mult)
+    return _pallas(x, block_group, n_blocks, weights, bm=bm, out_dtype=out_dtype, mult=mult, cfg=cfg,
                    interpret=impl == "interpret")
+
+
+def grouped_qmatmul_multi(problems, *, impl: str = "auto") -> list:
+    """Several independent ``grouped_qmatmul_fused`` problems in one kernel launch.
+
+    ``problems``: a sequence of dicts with the keys ``x``, ``block_group``, ``n_blocks``,
+    ``weights``, ``bm`` and optionally ``out_dtype``, ``mult``, ``mode`` and ``tiles`` (a dict of
+    ``Config`` fields), each as ``grouped_qmatmul_fused`` takes them. Problems may differ in
+    everything: rows, groups, code dtypes, scaling, inner mode (e.g. the decode MoE's routed
+    int8 experts in the chunk mode beside the shared expert's fp8 weights in the dot mode).
+    Returns one tuple of outputs per problem, each equal to that problem's own
+    ``grouped_qmatmul_fused`` call bit for bit (same configuration, same programs). The launch is
+    a 1-D grid over all problems' programs, so the small problems stream inside the large one
+    instead of paying their own kernel's ramp-up and tail. Problems the Triton kernel cannot
+    address (``offsets_fit``) and the XLA route run separately."""
+    prepared, results = [], [None] * len(problems)
+    for i, p in enumerate(problems):
+        unknown = set(p) - {"x", "block_group", "n_blocks", "weights", "bm", "out_dtype", "mult", "mode", "tiles"}
+        if unknown:
+            raise ValueError(f"grouped_qmatmul_multi: unknown problem keys {sorted(unknown)}")
+        weights, out_dtype, mult, p_impl, cfg = _prepare(p["x"], p["block_group"], p["weights"], bm=p["bm"],
+                                                         out_dtype=p.get("out_dtype"), mult=p.get("mult"), impl=impl,
+                                                         mode=p.get("mode", "auto"), tiles=p.get("tiles", {}))
+        args = (p["x"], p["block_group"], p["n_blocks"], weights, p["bm"], out_dtype, mult)
+        if p_impl == "xla":
+            results[i] = _reference_all(*args)
+        else:
+            prepared.append((i, p_impl, args + (cfg,)))
+    impls = {m for _, m, _ in prepared}
+    if len(prepared) == 1 or len(impls) > 1:
+        for i, m, args in prepared:
+            results[i] = _pallas(*args[:3], args[3], bm=args[4], out_dtype=args[5], mult=args[6], cfg=args[7],
+                                 interpret=m == "interpret")
+    elif prepared:
+        outs = _pallas_multi([a for _, _, a in prepared], interpret=impls == {"interpret"})
+        for (i, _, _), o in zip(prepared, outs):
+            results[i] = o
+    return results

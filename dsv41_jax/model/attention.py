@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import LayerPlan, TextConfig
-from dsv41_jax.model.layers import Linear, RMSNorm, einsum, top_k_indices_ascending, top_k_mask
+from dsv41_jax.model.layers import (Linear, RMSNorm, einsum, fusable_linears, fused_linears, top_k_indices_ascending,
+                                   top_k_mask)
 from dsv41_jax.model.rope import layer_inv_freq, rope_tail
 from dsv41_jax.numerics import Numerics
 from dsv41_jax import quant
@@ -115,11 +116,12 @@ class Indexer(nnx.Module):
     def keys(self, latent):
         return self.k_norm(self.wk(latent))
 
-    def scores(self, x, qr, pos, index_k, freqs):
-        """Raw scores [B,S,T] (before any masking) of the chunk's queries against ``index_k``."""
+    def scores(self, x, qr, pos, index_k, freqs, q_proj=None):
+        """Raw scores [B,S,T] (before any masking) of the chunk's queries against ``index_k``.
+        ``q_proj``: ``wq_b(qr)`` when the caller computed it already (a fused launch)."""
         dt = self.numerics.dtype
         B, S, _ = x.shape
-        q = self.wq_b(qr).reshape(B, S, self.n_heads, self.head_dim)
+        q = (self.wq_b(qr) if q_proj is None else q_proj).reshape(B, S, self.n_heads, self.head_dim)
         q = rope_tail(q, pos[..., None], freqs)
         if self.numerics.fake_quant:
             q = quant.fq_fp4_e8(q, 32)
@@ -188,8 +190,9 @@ class Attention(nnx.Module):
             capture["index_k"] = cache["idx_k"]
         return cache, ctx
 
-    def _select(self, x, qr, pos, ctx, capture):
+    def _select(self, x, qr, pos, ctx, capture, iq=None):
         """index source: score, candidate filter, top-k; publishes topk (and candidates).
+        ``iq``: the indexer's query projection ``indexer.wq_b(qr)`` if already computed.
 
         Long chunks run in query blocks of ``q_block`` (as ``_attend``): the per-head indexer
         scores [B, bq, heads, T] of one block exist at a time instead of [B, S, heads, T]."""
@@ -200,9 +203,9 @@ class Attention(nnx.Module):
         freqs = self._freqs()
         src, use = self.plan.is_candidate_source, self.plan.uses_candidates
 
-        def one(xb, qrb, pb, cand_in):
+        def one(xb, qrb, pb, cand_in, iqb):
             n_vis = (pb + 1) // m
-            s = self.indexer.scores(xb, qrb, pb, idx_k, freqs)
+            s = self.indexer.scores(xb, qrb, pb, idx_k, freqs, q_proj=iqb)
             s = jnp.where(jnp.arange(T) >= n_vis[..., None], NEG_INF, s)
             cand = None
             if src:
@@ -217,11 +220,11 @@ class Attention(nnx.Module):
         bq = max(self.q_block, self.window)
         cand_in = ctx.get("cand") if use else None
         if capture is not None or S <= 2 * bq or S % bq:
-            idx, cand = one(x, qr, pos, cand_in)
+            idx, cand = one(x, qr, pos, cand_in, iq)
         else:
             def body(i):
                 sl = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * bq, bq, axis=1)  # noqa: E731
-                return one(sl(x), sl(qr), sl(pos), sl(cand_in))
+                return one(sl(x), sl(qr), sl(pos), sl(cand_in), sl(iq))
 
             idx, cand = jax.lax.map(body, jnp.arange(S // bq))
             merge = lambda a: None if a is None else jnp.moveaxis(a, 0, 1).reshape(B, S, *a.shape[3:])  # noqa: E731
@@ -326,10 +329,16 @@ class Attention(nnx.Module):
         B, S, _ = x.shape
         H, d, W = self.n_heads, self.head_dim, self.window
         freqs = self._freqs()
-        qr = self.q_norm(self.wq_a(x))
-        q = self.wq_b(qr).reshape(B, S, H, d)
+        qa, kv = fused_linears(x, (self.wq_a, self.wkv))  # one launch on the decode kernel path
+        qr = self.q_norm(qa)
+        iq = None  # the indexer's query projection reads qr too: one launch with wq_b where that fuses
+        if self.plan.ratio > 0 and self.plan.owns_indexer and fusable_linears(qr, (self.wq_b, self.indexer.wq_b)):
+            q, iq = fused_linears(qr, (self.wq_b, self.indexer.wq_b))
+        else:
+            q = self.wq_b(qr)
+        q = q.reshape(B, S, H, d)
         q = rope_tail(q, pos[..., None], freqs)
-        kv = self.kv_norm(self.wkv(x))
+        kv = self.kv_norm(kv)
         kv = rope_tail(kv, pos, freqs)
         if self.numerics.fake_quant:
             kv = quant.fq_fp8(kv, 32)
@@ -345,7 +354,7 @@ class Attention(nnx.Module):
             if self.plan.owns_compressor:
                 cache, ctx = self._publish_compressed(x, pos, valid, cache, ctx, capture)
             if self.plan.owns_indexer:
-                ctx = self._select(x, qr, pos, ctx, capture)
+                ctx = self._select(x, qr, pos, ctx, capture, iq)
             kc, kc_ok = ctx["cmp_kv"], ctx["topk"]
         o = self._attend(q, pos, kw, kpos, kc, kc_ok)
         o = rope_tail(o, pos[..., None], freqs, inverse=True)

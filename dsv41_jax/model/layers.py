@@ -76,8 +76,23 @@ def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
     XLA path (the kernel's compute dtype is the one ``matmul`` would use); only the fp32
     summation order differs. Up to 16 rows form one row block (decode: one read of the weight),
     more rows are cut into 64-row blocks."""
-    from dsv41_jax.kernels import grouped_qmatmul
+    return fp8_matmul_kernel_fused(x, [(codes, scale)], out_dtype, compute_dtype, weight_dtype)[0]
 
+
+def fp8_matmul_kernel_fused(x, weights, out_dtype, compute_dtype, weight_dtype):
+    """``fp8_matmul_kernel`` of one ``x`` against the fp8 weights ``[(codes, scale), ...]`` (same
+    input size) in one launch (``kernels.grouped_qmatmul_fused``); one result per weight."""
+    from dsv41_jax.kernels import grouped_qmatmul_fused
+
+    prob, finish = fp8_kernel_problem(x, weights, out_dtype, compute_dtype, weight_dtype)
+    return finish(grouped_qmatmul_fused(prob["x"], prob["block_group"], prob["n_blocks"], prob["weights"],
+                                        bm=prob["bm"], out_dtype=prob["out_dtype"]))
+
+
+def fp8_kernel_problem(x, weights, out_dtype, compute_dtype, weight_dtype):
+    """The kernel problem of ``fp8_matmul_kernel_fused`` (a ``grouped_qmatmul_multi`` problem
+    dict: one group, up to 16 rows as one row block, else 64-row blocks) and ``finish``, which
+    turns the kernel's outputs into the results (rows unpadded, leading shape restored)."""
     cd = out_dtype if compute_dtype is None else compute_dtype
     if cd == F32 and x.dtype == jnp.bfloat16 and weight_dtype == jnp.bfloat16:
         cd = jnp.bfloat16  # bf16 x bf16 products are exact in fp32: matmul's bf16 GEMM, fp32 accumulation
@@ -89,8 +104,13 @@ def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
     if pad:
         x2 = jnp.pad(x2, ((0, pad), (0, 0)))
     nb = (R + pad) // bm
-    y = grouped_qmatmul(x2, jnp.zeros((nb,), jnp.int32), nb, codes, scale, bm=bm, out_dtype=out_dtype)
-    return y[:R].reshape(*lead, codes.shape[0])
+    prob = dict(x=x2, block_group=jnp.zeros((nb,), jnp.int32), n_blocks=nb, weights=list(weights), bm=bm,
+                out_dtype=out_dtype)
+
+    def finish(ys):
+        return tuple(y[:R].reshape(*lead, codes.shape[0]) for y, (codes, _) in zip(ys, weights))
+
+    return prob, finish
 
 
 # rows above which an fp8 Linear on the kernel path dequantizes its weight (one matrix, transient)
@@ -179,7 +199,9 @@ class Linear(nnx.Module):
             return fp8_matmul(x, self.weight[...], self.scale[...], od, cd, self.param_dtype)
         return matmul(x, self.weight[...], od, compute_dtype=cd)
 
-    def __call__(self, x, out_dtype=None, compute_dtype=None):
+    def _prepare(self, x, out_dtype, compute_dtype):
+        """(input, out dtype, compute dtype) of the GEMM: in reference numerics a quantized
+        weight's input goes through the fp8 per-32 fake quantization first."""
         od = self.numerics.dtype if out_dtype is None else out_dtype
         if self.quantized and self.numerics.fake_quant:
             from dsv41_jax.quant import act_quant_fp8
@@ -187,12 +209,59 @@ class Linear(nnx.Module):
             # e4m3 x power-of-two values are exact in bf16, so a bf16 weight keeps the bf16 GEMM
             # (fp32 accumulation) with the same products as the reference's fp32 block GEMM
             x = act_quant_fp8(x.astype(F32), 32).astype(self.param_dtype if self.fp8 else self.weight.get_value().dtype)
-            y = self._matmul(x, od, F32)
-        else:
-            y = self._matmul(x, od, compute_dtype)
+            return x, od, F32
+        return x, od, compute_dtype
+
+    def __call__(self, x, out_dtype=None, compute_dtype=None):
+        x, od, cd = self._prepare(x, out_dtype, compute_dtype)
+        y = self._matmul(x, od, cd)
         if self.bias is not None:
             y = (y.astype(F32) + self.bias[...].astype(F32)).astype(od)
         return y
+
+
+def linears_on_kernel(x, mods) -> bool:
+    """Whether the Linears ``mods`` (reading ``x``) can share kernel launches: fp8-stored,
+    bias-free, one input size, the same numerics, quantization flag and storage dtype, on the
+    kernel path, for at most ``fp8_kernel_max_rows()`` rows, with ``kernels.fused_launches()``."""
+    from dsv41_jax.kernels import fused_launches
+
+    m0 = mods[0]
+    same = all(m.fp8 and m.bias is None and m.quantized == m0.quantized and m.param_dtype == m0.param_dtype
+               and m.numerics == m0.numerics and m.in_features == m0.in_features for m in mods)
+    return same and _use_kernel() and math.prod(x.shape[:-1]) <= fp8_kernel_max_rows() and fused_launches()
+
+
+def fusable_linears(x, mods) -> bool:
+    """Whether ``fused_linears(x, mods)`` makes one launch (two or more ``linears_on_kernel``)."""
+    return len(mods) > 1 and linears_on_kernel(x, mods)
+
+
+def fused_linears(x, mods, out_dtype=None, compute_dtype=None):
+    """``tuple(m(x, out_dtype, compute_dtype) for m in mods)`` for Linears that read the same
+    input (an expert's w1 and w3; the attention's wq_a and wkv), with one kernel launch for all
+    of them where each would run ``fp8_matmul_kernel`` (decode on the kernel path): the small
+    GEMVs then stream as one grid instead of paying each launch's ramp-up and tail. Same
+    operands and rounding points as the separate calls; only the split-K choice (the fp32
+    summation order) may differ. Any other case (bf16 weights, biases, prefill, CPU, or
+    ``kernels.fused_launches()`` off) makes the separate calls."""
+    if not fusable_linears(x, mods):
+        return tuple(m(x, out_dtype, compute_dtype) for m in mods)
+    m0 = mods[0]
+    xp, od, cd = m0._prepare(x, out_dtype, compute_dtype)
+    return fp8_matmul_kernel_fused(xp, [(m.weight[...], m.scale[...]) for m in mods], od, cd, m0.param_dtype)
+
+
+def linears_kernel_problem(x, mods, out_dtype=None, compute_dtype=None):
+    """The Linears ``mods`` on ``x`` as one ``kernels.grouped_qmatmul_multi`` problem, to share a
+    launch with other problems (the decode MoE's shared expert beside its routed experts):
+    ``(problem, finish)``, ``finish(outputs)`` giving what ``fused_linears`` returns; None where
+    they do not run on the kernel (``linears_on_kernel``)."""
+    if not linears_on_kernel(x, mods):
+        return None
+    m0 = mods[0]
+    xp, od, cd = m0._prepare(x, out_dtype, compute_dtype)
+    return fp8_kernel_problem(xp, [(m.weight[...], m.scale[...]) for m in mods], od, cd, m0.param_dtype)
 
 
 def set_fp8_storage(model, names) -> list[str]:
@@ -232,11 +301,15 @@ class RMSNorm(nnx.Module):
 
 # ------------------------------------------------------------------------------ exact top-k
 # Comparisons (rows x T x T) up to which the top-k of the last axis is formed by ranking (fused
-# compare-and-count reductions, no scan) instead of lax.top_k's sort: decode-sized problems (up to
-# 16 rows of 1024 scores), where a sort of a few thousand scores is a slow single-block kernel
-# (11-17 us each in the H200 profile of a batch-1 step, run 17). The speed of this route was not
-# measured on the GPU yet (session 8 ran out of device time); ``DSV41_RANK_TOPK_MAX=0`` turns it
-# off for an A/B run. The result is the same either way (tests/test_topk.py).
+# compare-and-count reductions, no scan) instead of lax.top_k's sort: decode-sized problems, where
+# a sort of a few thousand scores is a slow single-block kernel (11-17 us each in the H200 profile
+# of a batch-1 step). Measured on the H200 (docs/performance.md run 18, decode per token in
+# generate's loop): with 2^24 the ranking replaces the router's and the ratio-2 indexer's sorts
+# (batch 1 1.429 -> 1.382 ms, batch 64 6.72 -> 6.55 ms, batch 8 unchanged). The ranking costs
+# about 1 us per million comparisons there: 2^26 (the ratio-1 indexer's 512-of-4160 selection at
+# batch 1, the ratio-2 one at batch 8) gained nothing at batch 1 and cost 1.3% at batch 8.
+# ``DSV41_RANK_TOPK_MAX`` overrides it (0: always the sort). The result is the same either way
+# (tests/test_topk.py).
 RANK_TOPK_MAX = 1 << 24
 
 

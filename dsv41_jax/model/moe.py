@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import TextConfig
-from dsv41_jax.model.layers import Linear, einsum, matmul, top_k
+from dsv41_jax.model.layers import (Linear, einsum, fused_linears, linears_kernel_problem, linears_on_kernel, matmul,
+                                   top_k)
 from dsv41_jax.numerics import Numerics
 from dsv41_jax import quant
 from dsv41_jax.model import moe_ep
@@ -79,7 +80,8 @@ class Expert(nnx.Module):
         self.w3 = Linear(D, I, numerics=numerics)
 
     def __call__(self, x):
-        h = swiglu(self.w1(x), self.w3(x), self.limit)
+        g, u = fused_linears(x, (self.w1, self.w3))  # one launch on the decode kernel path
+        h = swiglu(g, u, self.limit)
         return self.w2(h.astype(x.dtype))
 
 
@@ -264,42 +266,76 @@ class MoE(nnx.Module):
         return combine_pairs(out, row_of_pair, T, k)
 
     def routed_pallas(self, x, w, ids):
-        """Routed experts through ``dsv41_jax.kernels.grouped_qmatmul``: the expert weights are read
+        """Routed experts through ``dsv41_jax.kernels.grouped_qmatmul_fused`` (w1 and w3 in one
+        launch unless ``kernels.fused_launches()`` is off, then w2): the expert weights are read
         in place (int8 codes + ue8m0 scales dequantized in registers, or the float weights), never
         copied. Decode (fewer pairs than experts): every (token, slot) pair is a one-row block
         naming its expert (GEMV). Otherwise the pairs are sorted into ``routed_grouped``'s block
         layout (GEMM per block). Rounding points as ``routed_dense``; only fp32 summation orders
         differ. On a GPU the kernel is the Triton one; elsewhere its XLA reference (or the Pallas
         interpreter with ``DSV41_QMATMUL_IMPL=interpret``)."""
-        from dsv41_jax.kernels import grouped_qmatmul
+        from dsv41_jax.kernels import fused_launches, grouped_qmatmul_fused
 
         dt = self.numerics.dtype
         ex = self.experts
         T, k = ids.shape
         N = T * k
 
-        def qmm(a, blocks, n, p, bm):
-            return grouped_qmatmul(a, blocks, n, p.weight[...], p.scale[...] if p.int8 else None,
-                                   bm=bm, out_dtype=dt)
+        def qmm(a, blocks, n, ps, bm):  # one launch for the projections ``ps`` of the same rows
+            ws = [(p.weight[...], p.scale[...] if p.int8 else None) for p in ps]
+            if not fused_launches():
+                return tuple(grouped_qmatmul_fused(a, blocks, n, [wi], bm=bm, out_dtype=dt)[0] for wi in ws)
+            return grouped_qmatmul_fused(a, blocks, n, ws, bm=bm, out_dtype=dt)
 
         xa, cd = self._aq(x)
         if N < self.n_experts:
             blocks = ids.reshape(-1).astype(jnp.int32)
             xs = jnp.repeat(xa.astype(cd), k, axis=0)  # row t*k + s: token t, slot s
-            g = qmm(xs, blocks, N, ex.w1, 1)
-            u = qmm(xs, blocks, N, ex.w3, 1)
+            g, u = qmm(xs, blocks, N, (ex.w1, ex.w3), 1)
             h = (w.reshape(-1, 1) * swiglu(g, u, self.limit)).astype(dt)
             ha, cd2 = self._aq(h)
-            y = qmm(ha.astype(cd2), blocks, N, ex.w2, 1)
+            (y,) = qmm(ha.astype(cd2), blocks, N, (ex.w2,), 1)
             return jnp.sum(y.reshape(T, k, -1).astype(F32), axis=1)
         c = pallas_chunk(N, self.n_experts)
         xs, ws, row_of_pair, NC, blocks, n_used = self._dispatch(xa, w, ids, c, cd)
-        g = qmm(xs, blocks, n_used, ex.w1, c)
-        u = qmm(xs, blocks, n_used, ex.w3, c)
+        g, u = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
         h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
         ha, cd2 = self._aq(h)
-        y = qmm(ha.astype(cd2), blocks, n_used, ex.w2, c)
+        (y,) = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c)
         return combine_pairs(y, row_of_pair, T, k)
+
+    def routed_pallas_with_shared(self, x, w, ids):
+        """Decode (fewer pairs than experts) with the shared expert's fp8 projections in the routed
+        experts' launches (``kernels.grouped_qmatmul_multi``): w1 + w3 of both in one launch, then
+        both w2. Returns the routed sum plus the shared expert's output (fp32), bit for bit what
+        ``routed_pallas`` plus ``shared_experts`` give with the same kernel configurations; None
+        where the shared expert does not run on the kernel (``layers.linears_on_kernel``)."""
+        from dsv41_jax.kernels import grouped_qmatmul_multi
+
+        dt = self.numerics.dtype
+        ex, sh = self.experts, self.shared_experts
+        T, k = ids.shape
+        N = T * k
+        if N >= self.n_experts or not linears_on_kernel(x, (sh.w1, sh.w3)) \
+                or not linears_on_kernel(x, (sh.w2,)):
+            return None
+
+        def routed(a, ps):
+            return dict(x=a, block_group=blocks, n_blocks=N, bm=1, out_dtype=dt,
+                        weights=[(p.weight[...], p.scale[...] if p.int8 else None) for p in ps])
+
+        xa, cd = self._aq(x)
+        blocks = ids.reshape(-1).astype(jnp.int32)
+        xs = jnp.repeat(xa.astype(cd), k, axis=0)  # row t*k + s: token t, slot s
+        prob, finish = linears_kernel_problem(x, (sh.w1, sh.w3))
+        (g, u), shared_gu = grouped_qmatmul_multi([routed(xs, (ex.w1, ex.w3)), prob])
+        sg, su = finish(shared_gu)
+        h = (w.reshape(-1, 1) * swiglu(g, u, self.limit)).astype(dt)
+        ha, cd2 = self._aq(h)
+        prob, finish = linears_kernel_problem(swiglu(sg, su, sh.limit).astype(x.dtype), (sh.w2,))
+        (y,), shared_y = grouped_qmatmul_multi([routed(ha.astype(cd2), (ex.w2,)), prob])
+        (ys,) = finish(shared_y)
+        return jnp.sum(y.reshape(T, k, -1).astype(F32), axis=1) + ys.astype(F32)
 
     def _path(self, T: int, k: int) -> str:
         """Routed-expert implementation for T tokens: ``DSV41_MOE_PATH`` (gather, dense, grouped,
@@ -335,6 +371,11 @@ class MoE(nnx.Module):
         T = xt.shape[0]
         y = moe_ep.routed(self, xt, w, ids)  # in shard_map under a multi-device mesh, else None
         if y is None:
-            y = getattr(self, "routed_" + self._path(T, w.shape[-1]))(xt, w, ids)
+            path = self._path(T, w.shape[-1])
+            if path == "pallas":  # decode: the shared expert in the routed experts' launches where it can
+                y = self.routed_pallas_with_shared(xt, w, ids)
+                if y is not None:
+                    return y.astype(x.dtype).reshape(shape)
+            y = getattr(self, "routed_" + path)(xt, w, ids)
         y = y + self.shared_experts(xt).astype(F32)
         return y.astype(x.dtype).reshape(shape)
