@@ -621,8 +621,8 @@ def _pallas_multi(problems, interpret: bool) -> list:
                         cost_estimate=pl.CostEstimate(flops=flops, transcendentals=0, bytes_accessed=nbytes),
                         name="grouped_qmatmul_multi", **kw)(*args)
     res, at = [], 0
-    for (x, bg, n_blocks, weights, bm, out_dtype, mult, cfg), m in zip(problems, metas):
-        res.append(_finish(ys[at:at + len(m["Os"])], cfg, out_dtype))
+    for p, m in zip(problems, metas):  # p[5]: out dtype, p[7]: Config
+        res.append(_finish(ys[at:at + len(m["Os"])], p[7], p[5]))
         at += len(m["Os"])
     return res
 
@@ -747,7 +747,7 @@ def grouped_qmatmul_multi(problems, *, impl: str = "auto") -> list:
     impls = {m for _, m, _ in prepared}
     if len(prepared) == 1 or len(impls) > 1:
         for i, m, args in prepared:
-            results[i] = _pallas(*args[:3], args[3], bm=args[4], out_dtype=args[5], mult=args[6], cfg=args[7],
+            results[i] = _pallas(*args[:4], bm=args[4], out_dtype=args[5], mult=args[6], cfg=args[7],
                                  interpret=m == "interpret")
     elif prepared:
         outs = _pallas_multi([a for _, _, a in prepared], interpret=impls == {"interpret"})
