@@ -199,8 +199,8 @@ def case_offsets_overflow():
     want = np.asarray(Q.grouped_qmatmul_reference(x, bg, 2, codes, scale, bm=1, out_dtype=jnp.float32))
     cfg = Q.choose_config(1, O, K, True, nb=2)
     try:
-        got = np.asarray(Q._pallas(x, bg, 2, codes, scale, bm=1, out_dtype=jnp.float32, mult=Q.default_mult(codes.dtype),
-                                   cfg=cfg, interpret=False))
+        got = np.asarray(Q._pallas(x, bg, 2, [(codes, scale)], bm=1, out_dtype=jnp.float32,
+                                   mult=Q.default_mult(codes.dtype), cfg=cfg, interpret=False)[0])
     except Exception as e:
         return dict(ok=True, kernel_error=f"{type(e).__name__}: {str(e)[:300]}")
     err = [float(np.max(np.abs(got[i] - want[i])) / max(np.max(np.abs(want[i])), 1e-30)) for i in range(2)]
