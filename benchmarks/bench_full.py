@@ -48,6 +48,8 @@ ap.add_argument("--image-side", type=int, default=1024, help="pixels per side of
 ap.add_argument("--image-new-tokens", type=int, default=32)
 ap.add_argument("--skip", default="", help="comma list of: ceil,prefill,decode,image")
 ARGS = ap.parse_args() if __name__ == "__main__" else None  # importable (tests use the layer plan)
+if ARGS is not None and ARGS.loop_tokens <= 8:
+    ap.error("--loop-tokens must exceed 8 (the short loop it is compared with)")
 if ARGS is not None and ARGS.cpu_devices:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={ARGS.cpu_devices}").strip()

@@ -449,6 +449,9 @@ def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=No
     model runs as ``generate`` runs it (cache and inputs placed by the rules, under the mesh).
     ``roofline(B, seconds_per_step)``: extra fields for the row (e.g. per-device bytes on a
     mesh), in place of the one-device byte roofline at ``copy_tb_s``."""
+    if n_tokens <= 8:
+        raise ValueError(f"decode loop: {n_tokens} tokens per timed loop; it must exceed the 8-token loop it is "
+                         "compared with (--loop-tokens)")
     from dsv41_jax.generate import DecodeState, _executable, _placed, _split_flat, clear_compiled
     from dsv41_jax.sampling import SamplingParams
     from dsv41_jax.sharding import mesh_of
@@ -686,6 +689,8 @@ def main():
     ap.add_argument("--decode-loop", default="", help="batches timed through generate's while_loop (per token)")
     ap.add_argument("--loop-tokens", type=int, default=64, help="tokens per timed decode loop")
     a = ap.parse_args()
+    if a.loop_tokens <= 8:
+        ap.error("--loop-tokens must exceed 8 (the short loop it is compared with)")
     if a.kernels:
         os.environ["DSV41_KERNELS"] = a.kernels
     if a.tag:
