@@ -18,6 +18,10 @@ The same call serves
   ``MoE.routed_grouped`` builds), ``n_blocks`` = the used blocks;
 * dense fp8 projections: one group (``codes [1, O, K]`` or ``[O, K]``), every block names it.
 
+``grouped_qmatmul_fused`` runs several weights that read the same rows as one launch (a grid over
+all their output tiles), ``grouped_qmatmul_multi`` independent problems as one launch (a 1-D grid
+over all their programs): small decode GEMVs then share one ramp-up and tail (docs/kernels.md).
+
 Implementations (``impl``): ``"triton"`` (the Pallas kernel compiled by Triton; GPU),
 ``"interpret"`` (the same kernel in the Pallas interpreter; tests on CPU), ``"xla"``
 (:func:`grouped_qmatmul_reference`: dequantizes the selected groups and runs one einsum; the
