@@ -400,6 +400,22 @@ def test_moe_decode_shares_launches_with_the_shared_expert(numerics, monkeypatch
     assert moe.routed_pallas_with_shared(jnp.tile(x, (8, 1)), *moe.gate(jnp.tile(x, (8, 1)))) is None  # 48 pairs
 
 
+def test_moe_pallas_path_on_the_expert_parallel_local_view(monkeypatch):
+    """``moe_ep``'s per-device view (local expert shards, no shared expert) runs ``routed_pallas``
+    as the module does: the same result on the same experts, decode and prefill layouts."""
+    from dsv41_jax.model import moe_ep
+
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    t, moe = _moe(Numerics("float32", "fast"), True)
+    ex = moe.experts
+    view = moe_ep._Local(moe, *(moe_ep._Local._P(p.weight[...], p.scale[...]) for p in (ex.w1, ex.w3, ex.w2)))
+    rng = np.random.default_rng(13)
+    for T in (3, 40):
+        x = jnp.asarray(rng.standard_normal((T, t.hidden_size)), F32)
+        w, ids = moe.gate(x)
+        np.testing.assert_array_equal(np.asarray(view.routed_pallas(x, w, ids)), np.asarray(moe.routed_pallas(x, w, ids)))
+
+
 def test_moe_path_selection(monkeypatch):
     t, moe = _moe(Numerics("float32", "fast"), True)
     monkeypatch.setenv("DSV41_KERNELS", "pallas")

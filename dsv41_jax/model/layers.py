@@ -82,9 +82,13 @@ def fp8_matmul_kernel(x, codes, scale, out_dtype, compute_dtype, weight_dtype):
 def fp8_matmul_kernel_fused(x, weights, out_dtype, compute_dtype, weight_dtype):
     """``fp8_matmul_kernel`` of one ``x`` against the fp8 weights ``[(codes, scale), ...]`` (same
     input size) in one launch (``kernels.grouped_qmatmul_fused``); one result per weight."""
+    return _run_problem(*fp8_kernel_problem(x, weights, out_dtype, compute_dtype, weight_dtype))
+
+
+def _run_problem(prob, finish):
+    """One ``kernels.grouped_qmatmul_fused`` launch of a problem dict, through ``finish``."""
     from dsv41_jax.kernels import grouped_qmatmul_fused
 
-    prob, finish = fp8_kernel_problem(x, weights, out_dtype, compute_dtype, weight_dtype)
     return finish(grouped_qmatmul_fused(prob["x"], prob["block_group"], prob["n_blocks"], prob["weights"],
                                         bm=prob["bm"], out_dtype=prob["out_dtype"]))
 
@@ -247,9 +251,7 @@ def fused_linears(x, mods, out_dtype=None, compute_dtype=None):
     ``kernels.fused_launches()`` off) makes the separate calls."""
     if not fusable_linears(x, mods):
         return tuple(m(x, out_dtype, compute_dtype) for m in mods)
-    m0 = mods[0]
-    xp, od, cd = m0._prepare(x, out_dtype, compute_dtype)
-    return fp8_matmul_kernel_fused(xp, [(m.weight[...], m.scale[...]) for m in mods], od, cd, m0.param_dtype)
+    return _run_problem(*linears_kernel_problem(x, mods, out_dtype, compute_dtype))
 
 
 def linears_kernel_problem(x, mods, out_dtype=None, compute_dtype=None):

@@ -265,7 +265,7 @@ class MoE(nnx.Module):
         out = jax.lax.fori_loop(0, n_used, body, jnp.zeros((NC * c, D), dt))
         return combine_pairs(out, row_of_pair, T, k)
 
-    def routed_pallas(self, x, w, ids):
+    def routed_pallas(self, x, w, ids, with_shared: bool = False):
         """Routed experts through ``dsv41_jax.kernels.grouped_qmatmul_fused`` (w1 and w3 in one
         launch unless ``kernels.fused_launches()`` is off, then w2): the expert weights are read
         in place (int8 codes + ue8m0 scales dequantized in registers, or the float weights), never
@@ -273,35 +273,49 @@ class MoE(nnx.Module):
         naming its expert (GEMV). Otherwise the pairs are sorted into ``routed_grouped``'s block
         layout (GEMM per block). Rounding points as ``routed_dense``; only fp32 summation orders
         differ. On a GPU the kernel is the Triton one; elsewhere its XLA reference (or the Pallas
-        interpreter with ``DSV41_QMATMUL_IMPL=interpret``)."""
-        from dsv41_jax.kernels import fused_launches, grouped_qmatmul_fused
+        interpreter with ``DSV41_QMATMUL_IMPL=interpret``). ``with_shared`` (decode, only where
+        ``routed_pallas_with_shared`` allows it): the shared expert's projections run in the same
+        launches (``grouped_qmatmul_multi``) and its output is added."""
+        from dsv41_jax.kernels import fused_launches, grouped_qmatmul_fused, grouped_qmatmul_multi
 
         dt = self.numerics.dtype
         ex = self.experts
+        sh = self.shared_experts if with_shared else None  # (moe_ep's local views have none)
         T, k = ids.shape
         N = T * k
 
-        def qmm(a, blocks, n, ps, bm):  # one launch for the projections ``ps`` of the same rows
+        def qmm(a, blocks, n, ps, bm, shared_in=None, shared_mods=()):
+            """One launch for the projections ``ps`` of the same rows (and, with ``shared_in``, the
+            shared expert's ``shared_mods`` on it); returns (routed outputs, shared outputs or None)."""
             ws = [(p.weight[...], p.scale[...] if p.int8 else None) for p in ps]
+            if shared_in is not None:
+                prob, finish = linears_kernel_problem(shared_in, shared_mods)
+                ours, theirs = grouped_qmatmul_multi([dict(x=a, block_group=blocks, n_blocks=n, weights=ws, bm=bm,
+                                                           out_dtype=dt), prob])
+                return ours, finish(theirs)
             if not fused_launches():
-                return tuple(grouped_qmatmul_fused(a, blocks, n, [wi], bm=bm, out_dtype=dt)[0] for wi in ws)
-            return grouped_qmatmul_fused(a, blocks, n, ws, bm=bm, out_dtype=dt)
+                return tuple(grouped_qmatmul_fused(a, blocks, n, [wi], bm=bm, out_dtype=dt)[0] for wi in ws), None
+            return grouped_qmatmul_fused(a, blocks, n, ws, bm=bm, out_dtype=dt), None
 
         xa, cd = self._aq(x)
         if N < self.n_experts:
             blocks = ids.reshape(-1).astype(jnp.int32)
             xs = jnp.repeat(xa.astype(cd), k, axis=0)  # row t*k + s: token t, slot s
-            g, u = qmm(xs, blocks, N, (ex.w1, ex.w3), 1)
+            (g, u), sgu = qmm(xs, blocks, N, (ex.w1, ex.w3), 1, *((x, (sh.w1, sh.w3)) if sh is not None else ()))
             h = (w.reshape(-1, 1) * swiglu(g, u, self.limit)).astype(dt)
             ha, cd2 = self._aq(h)
-            (y,) = qmm(ha.astype(cd2), blocks, N, (ex.w2,), 1)
-            return jnp.sum(y.reshape(T, k, -1).astype(F32), axis=1)
+            hs = (swiglu(*sgu, sh.limit).astype(x.dtype), (sh.w2,)) if sh is not None else ()
+            (y,), sy = qmm(ha.astype(cd2), blocks, N, (ex.w2,), 1, *hs)
+            y = jnp.sum(y.reshape(T, k, -1).astype(F32), axis=1)
+            return y + sy[0].astype(F32) if sh is not None else y
+        if with_shared:
+            raise ValueError("routed_pallas: with_shared is for decode (fewer pairs than experts)")
         c = pallas_chunk(N, self.n_experts)
         xs, ws, row_of_pair, NC, blocks, n_used = self._dispatch(xa, w, ids, c, cd)
-        g, u = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
+        (g, u), _ = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
         h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
         ha, cd2 = self._aq(h)
-        (y,) = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c)
+        (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c)
         return combine_pairs(y, row_of_pair, T, k)
 
     def routed_pallas_with_shared(self, x, w, ids):
@@ -310,32 +324,11 @@ class MoE(nnx.Module):
         both w2. Returns the routed sum plus the shared expert's output (fp32), bit for bit what
         ``routed_pallas`` plus ``shared_experts`` give with the same kernel configurations; None
         where the shared expert does not run on the kernel (``layers.linears_on_kernel``)."""
-        from dsv41_jax.kernels import grouped_qmatmul_multi
-
-        dt = self.numerics.dtype
-        ex, sh = self.experts, self.shared_experts
-        T, k = ids.shape
-        N = T * k
-        if N >= self.n_experts or not linears_on_kernel(x, (sh.w1, sh.w3)) \
+        sh = self.shared_experts
+        if ids.size >= self.n_experts or not linears_on_kernel(x, (sh.w1, sh.w3)) \
                 or not linears_on_kernel(x, (sh.w2,)):
             return None
-
-        def routed(a, ps):
-            return dict(x=a, block_group=blocks, n_blocks=N, bm=1, out_dtype=dt,
-                        weights=[(p.weight[...], p.scale[...] if p.int8 else None) for p in ps])
-
-        xa, cd = self._aq(x)
-        blocks = ids.reshape(-1).astype(jnp.int32)
-        xs = jnp.repeat(xa.astype(cd), k, axis=0)  # row t*k + s: token t, slot s
-        prob, finish = linears_kernel_problem(x, (sh.w1, sh.w3))
-        (g, u), shared_gu = grouped_qmatmul_multi([routed(xs, (ex.w1, ex.w3)), prob])
-        sg, su = finish(shared_gu)
-        h = (w.reshape(-1, 1) * swiglu(g, u, self.limit)).astype(dt)
-        ha, cd2 = self._aq(h)
-        prob, finish = linears_kernel_problem(swiglu(sg, su, sh.limit).astype(x.dtype), (sh.w2,))
-        (y,), shared_y = grouped_qmatmul_multi([routed(ha.astype(cd2), (ex.w2,)), prob])
-        (ys,) = finish(shared_y)
-        return jnp.sum(y.reshape(T, k, -1).astype(F32), axis=1) + ys.astype(F32)
+        return self.routed_pallas(x, w, ids, with_shared=True)
 
     def _path(self, T: int, k: int) -> str:
         """Routed-expert implementation for T tokens: ``DSV41_MOE_PATH`` (gather, dense, grouped,
