@@ -269,6 +269,78 @@ def routed_ids(model, cfg, B: int, ctx: int, seed: int = 11) -> list:
         return [np.asarray(x) for x in jax.jit(routed)(state, shd.shard_cache(cache, mesh), ids)]
 
 
+def _prefill_picks(model, cfg, S: int):
+    """A jitted ``picks(state, ids)``: every layer's routed expert ids [1, S, k] for a prompt of S
+    tokens (one forward with capture; the state is an argument, so new router biases reuse it)."""
+    graphdef, _ = nnx.split(model)
+    L = cfg.text.num_hidden_layers
+    cache = model.init_cache(1, S)
+
+    @jax.jit
+    def picks(state, ids):
+        cap = {}
+        nnx.merge(graphdef, state)(ids, positions=jnp.arange(S, dtype=jnp.int32)[None], valid=jnp.ones((1, S), bool),
+                                   cache=cache, capture=cap)
+        return [cap[f"moe_topk_L{l}"] for l in range(L)]
+
+    return picks
+
+
+def prefill_routing(model, cfg, S: int, chunks=(128, 160)) -> None:
+    """Per-layer expert loads of one prefill of S random tokens (``bench_prefill``'s prompt): how
+    many experts are used, the largest count, the share of the 8 busiest experts, and the expert
+    blocks (weight reads of the routed kernel) and padded rows of ``MoE.routed_pallas``' layout at
+    each block size in ``chunks``."""
+    ids = jax.random.randint(jax.random.key(1), (1, S), 0, cfg.text.vocab_size).astype(jnp.int32)
+    picks = _prefill_picks(model, cfg, S)(nnx.state(model), ids)
+    E = cfg.text.n_routed_experts
+    for l, p in enumerate(picks):
+        counts = np.bincount(np.asarray(p).ravel(), minlength=E)
+        row = dict(what="prefill_routing", tokens=S, layer=l, router=ROUTER, pairs=int(counts.sum()),
+                   experts_used=int((counts > 0).sum()), max_count=int(counts.max()),
+                   uniform_mean=round(counts.sum() / E, 1),
+                   top8_share=round(float(np.sort(counts)[-8:].sum() / counts.sum()), 3))
+        for c in chunks:
+            blocks = int(np.sum(-(-counts // c)))
+            row[f"blocks_c{c}"], row[f"padded_c{c}"] = blocks, round(blocks * c / counts.sum() - 1, 3)
+        emit(**row)
+
+
+ROUTER = "random"
+
+
+def balance_router(model, cfg, S: int = 2048, iters: int = 40, step: float = 0.02, seed: int = 7) -> None:
+    """Give the random routers the balanced loads of a trained one. Random gate weights and
+    biases route most tokens to a few experts (the biases dominate the scores and the hidden
+    states of random tokens are alike), which makes a MoE benchmark read few experts' weights.
+    Training balances the loads with the router bias (DeepSeek's auxiliary-loss-free rule:
+    raise the bias of under-loaded experts, lower the over-loaded ones); this runs that rule on
+    a calibration prompt of S random tokens (not the benchmark's prompts) from zero biases,
+    with a step that shrinks geometrically. Emits the loads before and after."""
+    global ROUTER
+    t = cfg.text
+    picks = _prefill_picks(model, cfg, S)
+    ids = jax.random.randint(jax.random.key(seed), (1, S), 0, t.vocab_size).astype(jnp.int32)
+    gates = [layer.ffn.gate for layer in model.layers]
+    for g in gates:
+        g.bias[...] = jnp.zeros_like(g.bias[...])
+    mean = S * t.num_experts_per_tok / t.n_routed_experts
+    loads = []
+    for it in range(iters + 1):
+        counts = [np.bincount(np.asarray(p).ravel(), minlength=t.n_routed_experts) for p in picks(nnx.state(model), ids)]
+        loads.append([round(float(c.max() / mean), 2) for c in counts])
+        if it == iters:
+            break
+        for g, c in zip(gates, counts):
+            g.bias[...] = g.bias[...] + jnp.asarray(step * 0.9 ** it * np.sign(mean - c), jnp.float32)
+    for g in gates:
+        if g.bias_vl is not None:
+            g.bias_vl[...] = g.bias[...]
+    ROUTER = "balanced"
+    emit(what="router_balanced", calibration_tokens=S, iters=iters, max_over_mean_first=loads[0],
+         max_over_mean_last=loads[-1])
+
+
 def measured_distinct(model, cfg, B: int, ctx: int) -> list:
     """Distinct routed experts per layer that one decode step of the benchmark selects."""
     return [int(np.unique(ids).size) for ids in routed_ids(model, cfg, B, ctx)]
@@ -686,6 +758,14 @@ def main():
                     help="full 40-layer compiles to time: decode:BATCH / prefill:TOKENS")
     ap.add_argument("--compile-last", action="store_true", help="time the full-config compiles at the end")
     ap.add_argument("--tag", default="", help="free text copied into every result row")
+    ap.add_argument("--prefill-variants", default="",
+                    help="';'-separated env settings (e.g. 'DSV41_MOE_CHUNK=128;DSV41_INDEXER_KERNEL=0'): the "
+                         "prefill again under each, in this process")
+    ap.add_argument("--prefill-routing", default="", help="prompt lengths whose per-layer expert loads to report")
+    ap.add_argument("--router", default="balanced", choices=("balanced", "random", "ab"),
+                    help="balanced (default since run 19): the random routers' biases balanced on a calibration "
+                         "prompt (balance_router), as a trained router's are; random: the random biases as drawn; "
+                         "ab: the decode loops with the random biases, then balanced, in one process")
     ap.add_argument("--decode-loop", default="", help="batches timed through generate's while_loop (per token)")
     ap.add_argument("--loop-tokens", type=int, default=64, help="tokens per timed decode loop")
     a = ap.parse_args()
@@ -723,12 +803,19 @@ def main():
     model = random_model(cfg, numerics, **kw)
     if not a.no_release_quant:
         mark_release_quantized(model)
+    if a.router == "balanced":
+        balance_router(model, cfg)
     jax.block_until_ready(nnx.state(model))
-    emit(what="build", layers=a.layers, param_gb=param_bytes(model) / 1e9, seconds=time.perf_counter() - t0,
+    emit(what="build", layers=a.layers, router=a.router, param_gb=param_bytes(model) / 1e9, seconds=time.perf_counter() - t0,
          engram_rows=cfg.text.engram_num_embeddings, experts=a.experts, dense=a.dense)
     batches = [int(b) for b in a.batches.split(",")] if a.batches else []
     if a.decode_loop:
         bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens, copy_tb_s)
+        if a.router == "ab":  # the same decode loops after balancing, in this process: the routers' A/B
+            TAG, tag = f"{a.tag} balanced".strip(), TAG
+            balance_router(model, cfg)
+            bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens, copy_tb_s)
+            TAG = tag
     if "decode" not in skip:
         bench_decode(model, cfg, batches, a.ctx, copy_tb_s=copy_tb_s)
         if a.moe_paths:
@@ -737,6 +824,17 @@ def main():
             os.environ["DSV41_MOE_PATH"] = "auto"
     if "prefill" not in skip:
         bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
+        for variant in [v for v in a.prefill_variants.split(";") if v]:  # same process, same weights
+            env = dict(kv.split("=", 1) for kv in variant.split(","))
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)
+            TAG, tag = f"{a.tag} {variant}".strip(), TAG
+            bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)  # compiles afresh
+            TAG = tag
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    for S in [int(s) for s in a.prefill_routing.split(",") if s]:
+        prefill_routing(model, cfg, S)
     if "vit" not in skip and model.vision is not None:
         bench_vit(model, cfg, 1024 if not a.small else 64, modes=tuple(a.vit_modes.split(",")))
     for B in [int(b) for b in a.breakdown.split(",") if b]:

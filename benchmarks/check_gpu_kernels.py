@@ -1,12 +1,15 @@
 """GPU-side agreement of the Pallas kernels with their XLA references at V4.1 sizes (one JSON
 line per case): the mHC Sinkhorn (relative and per-entry error) and the grouped qmatmul in its
 split-K decode configurations (int8 experts: the "chunk" mode, against the "dot" mode too; dense
-fp8) and its prefill blocks (128-row expert blocks, 64-row dense fp8 blocks: the weights-left
-operand order, against the other order too), and fused launches (``grouped_qmatmul_fused``:
+fp8) and its prefill blocks (128-row expert blocks, 160 = 128 + 32 and 48 = 32 + 16-row blocks as
+two row tiles, 64-row dense fp8 blocks: the weights-left operand order, against the other order
+too), and fused launches (``grouped_qmatmul_fused``:
 routed w1 + w3 at decode and prefill, dense wq_a + wkv and shared w1 + w3 at decode) against one
 reference per weight and, with the same split-K, bit for bit against separate launches; and a
 multi-problem launch (``grouped_qmatmul_multi``: the decode MoE's routed w1 + w3 beside the
-shared expert's fp8 w1 + w3) bit for bit against each problem's own launch.
+shared expert's fp8 w1 + w3) bit for bit against each problem's own launch; and the indexer-score
+kernel (``kernels.indexer_scores``, V4.1's 32 index heads x 128) against its XLA formulation in
+bf16 and fp32 (the -inf mask equal, finite scores within the summation-order error).
 
     python3 benchmarks/check_gpu_kernels.py
 """
@@ -24,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dsv41_jax.kernels import qmatmul as Q  # noqa: E402
+from dsv41_jax.kernels.indexer import indexer_scores, indexer_scores_reference  # noqa: E402
 from dsv41_jax.kernels.sinkhorn import sinkhorn, sinkhorn_reference  # noqa: E402
 
 
@@ -49,7 +53,8 @@ def main():
             ("routed_w1", E, I, D, 6, "int8", 1), ("routed_w2", E, D, I, 6, "int8", 1),
             ("routed_w1_b8", E, I, D, 48, "int8", 1), ("dense_fp8_b1", 1, 2304, D, 1, "fp8", 1),
             ("dense_fp8_b16", 1, 512, D, 16, "fp8", 16), ("routed_w1_prefill", E, I, D, 512, "int8", 128),
-            ("routed_w2_prefill", E, D, I, 512, "int8", 128), ("dense_fp8_prefill", 1, 2304, D, 256, "fp8", 64)):
+            ("routed_w2_prefill", E, D, I, 512, "int8", 128), ("dense_fp8_prefill", 1, 2304, D, 256, "fp8", 64),
+            ("routed_w1_prefill160", E, I, D, 640, "int8", 160), ("routed_w2_prefill48", E, D, I, 192, "int8", 48)):
         k1, k2, k3, k4 = jax.random.split(jax.random.fold_in(key, R * 7 + O), 4)
         if kind == "int8":
             codes = jax.random.randint(k1, (G, O, K), -12, 13).astype(jnp.int8)
@@ -70,13 +75,14 @@ def main():
                                                    lowp_dequant=False, **dot))(x, bg, R // bm, codes, scale)
         other = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=jnp.float32, impl="triton",
                                                      wlhs=not cfg.wlhs, **dot))(x, bg, R // bm, codes, scale)
-        emit(check="qmatmul", case=name, mode=cfg.mode, splitk=cfg.splitk, bk=cfg.bk, wlhs=cfg.wlhs,
+        emit(check="qmatmul", case=name, mode=cfg.mode, splitk=cfg.splitk, bk=cfg.bk, wlhs=cfg.wlhs, tail=cfg.tail,
              rel_err=rel(got, want),
              lowp_rel_err=rel(lowp, want), lowp_vs_f32_max_abs=float(jnp.max(jnp.abs(lowp - f32))),
              other_order_rel_err=rel(other, want))
     for name, G, Os, K, R, kind, bm in (
             ("fused_routed_w1w3", E, (I, I), D, 6, "int8", 1), ("fused_routed_w1w3_b8", E, (I, I), D, 48, "int8", 1),
             ("fused_routed_w1w3_prefill", E, (I, I), D, 512, "int8", 128),
+            ("fused_routed_w1w3_prefill160", E, (I, I), D, 640, "int8", 160),
             ("fused_wq_a_wkv", 1, (1280, 512), D, 1, "fp8", 1), ("fused_shared_w1w3", 1, (I, I), D, 1, "fp8", 1)):
         ks = jax.random.split(jax.random.fold_in(key, R * 11 + sum(Os)), 2 + 2 * len(Os))
         ws = []
@@ -102,6 +108,24 @@ def main():
             routed = (x, bg, ws)
         if name == "fused_shared_w1w3":
             check_multi(routed, (x, [(c[0], sc[0]) for c, sc in ws]))
+
+
+def check_indexer(key):
+    """Prefill-sized indexer scores (a causal ratio-2 chunk and a ratio-1 chunk after a prefix)."""
+    for dt in (jnp.bfloat16, jnp.float32):
+        for S, T, m, offset in ((2048, 1024, 2, 0), (1000, 3000, 1, 2000)):
+            k1, k2, k3 = jax.random.split(jax.random.fold_in(key, S + T), 3)
+            q = jax.random.normal(k1, (1, S, 32, 128), jnp.float32).astype(dt)
+            k = jax.random.normal(k2, (1, T, 128), jnp.float32).astype(dt)
+            w = (0.01 * jax.random.normal(k3, (1, S, 32), jnp.float32)).astype(dt)
+            n_vis = ((offset + jnp.arange(S) + 1) // m)[None].astype(jnp.int32)
+            got = np.asarray(jax.jit(lambda *a: indexer_scores(*a, impl="triton"))(q, k, w, n_vis), np.float64)
+            want = np.asarray(jax.jit(indexer_scores_reference)(q, k, w, n_vis), np.float64)
+            fin = np.isfinite(want)
+            emit(check="indexer_scores", dtype=jnp.dtype(dt).name, queries=S, keys=T, ratio=m,
+                 mask_equal=bool(np.array_equal(np.isfinite(got), fin)),
+                 rel_err=rel(np.where(fin, got, 0), np.where(fin, want, 0)),
+                 frac_bits_equal=float(np.mean(got[fin] == want[fin])))
 
 
 def check_multi(routed, shared):
@@ -130,3 +154,4 @@ def check_multi(routed, shared):
 
 if __name__ == "__main__":
     main()
+    check_indexer(jax.random.key(3))

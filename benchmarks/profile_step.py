@@ -209,6 +209,8 @@ def profile_vit(model, cfg, tokens: int, tag: str, env: dict, dump_dir: str | No
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--router", default="balanced", choices=("balanced", "random"),
+                    help="the routers' biases balanced on a calibration prompt (bench_slice.balance_router) or as drawn")
     ap.add_argument("--targets", default="decode:1",
                     help="decode:BATCH / prefill:TOKENS / vit:IMAGE_TOKENS (bf16 attention mode), comma separated")
     ap.add_argument("--layers", type=int, default=3)
@@ -261,6 +263,8 @@ def main():
         kw["dense_fp8"] = release_fp8_linears(nnx.eval_shape(lambda: DeepseekV41(cfg, numerics, engram_quantized=True)))
     model = bs.random_model(cfg, numerics, **kw)
     bs.mark_release_quantized(model)
+    if a.router == "balanced":
+        bs.balance_router(model, cfg)
     graphdef, state = _split(model)
     env = {k: v for k, v in os.environ.items() if k.startswith(("DSV41_", "XLA_FLAGS"))}
     for target in a.targets.split(","):

@@ -112,6 +112,12 @@ CASES = [
     ("int8", 6, 72, 2304, 1, 5, 4, "chunk", {"splitk": 4, "bo": 64}),
     ("fp8", 4, 40, 800, 1, 6, 6, "auto", {}),
     ("fp8", 1, 72, 1600, 1, 3, 3, "chunk", {"splitk": 2}),
+    # blocks of a power of two plus a smaller one (Config.tail: two row tiles per weight tile):
+    # 48 = 32 + 16, 160 = 128 + 32 (the 8k prefill's blocks), either operand order, split-K, unscaled
+    ("int8", 3, 72, 128, 48, 3, 2, "auto", {}),
+    ("int8", 3, 72, 128, 160, 2, 2, "auto", {"wlhs": False}),
+    ("int8", 3, 72, 256, 96, 3, 3, "auto", {"splitk": 2}),
+    ("bf16", 3, 40, 96, 48, 3, 2, "auto", {}),
 ]
 
 
@@ -133,6 +139,7 @@ def test_kernel_interpret_matches_reference(kind, G, O, K, bm, nb, used, mode, t
     cfg = Q.choose_config(bm, O, K, sw is not None, mode, groups=G, **tiles)
     one_row = bm == 1 and sw is not None and G > 1
     assert cfg.mode == (("chunk" if one_row else "dot") if mode == "auto" else mode)
+    assert cfg.tm + cfg.tail >= bm and (cfg.tail == 0) == (bm in (1, 2, 4, 8, 16, 32, 64, 128))
     got = Q.grouped_qmatmul(x, bg, used, cw, sw, bm=bm, out_dtype=F32, impl="interpret", mode=mode, **tiles)
     ref = Q.grouped_qmatmul_reference(x, bg, used, cw, sw, bm=bm, out_dtype=F32)
     assert got.shape == (nb * bm, O)
@@ -426,7 +433,25 @@ def test_moe_path_selection(monkeypatch):
         moe._path(100, 3)
     monkeypatch.setenv("DSV41_MOE_PATH", "pallas")
     assert moe._path(1, 3) == "pallas"
-    assert pallas_chunk(12288, 384) == 32 and pallas_chunk(49152, 384) == 128 and pallas_chunk(384, 384) == 16
+    # blocks hold a typical expert's pairs under balanced routing: 2k / 8k / 32k-token prefills of
+    # V4.1-Flash (6 of 384 experts), a short prompt
+    assert [pallas_chunk(6 * T, 384) for T in (2048, 8192, 32768, 512)] == [48, 160, 192, 16]
+    monkeypatch.setenv("DSV41_MOE_CHUNK", "128")
+    assert pallas_chunk(49152, 384) == 128
+    monkeypatch.setenv("DSV41_MOE_CHUNK", "12")
+    with pytest.raises(ValueError, match="DSV41_MOE_CHUNK"):
+        pallas_chunk(49152, 384)
+
+
+@pytest.mark.parametrize("chunk", ["48", "40"])  # two row tiles per block (32 + 16); one padded 64-row tile
+def test_moe_prefill_blocks_of_other_sizes_match_dense(chunk, monkeypatch):
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    monkeypatch.setenv("DSV41_MOE_CHUNK", chunk)
+    t, moe = _moe(Numerics("float32", "fast"), True)
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((200, t.hidden_size)), F32)
+    w, ids = moe.gate(x)
+    assert np.bincount(np.asarray(ids).ravel()).max() > 2 * int(chunk) // 3  # rows in the 48-row blocks' second tile
+    assert _rel(np.asarray(jax.jit(moe.routed_pallas)(x, w, ids)), np.asarray(jax.jit(moe.routed_dense)(x, w, ids))) <= 1e-5
 
 
 def test_kernels_default_by_device(monkeypatch):

@@ -162,7 +162,11 @@ class Config:
     (``w [bo, bk] . x^T [bk, tm]`` -> ``[bo, tm]``, transposed once before the store): the
     weights can then stay in registers as the MMA's A operand instead of being written to
     shared memory as its B operand; the same products and fp32 sums (the default for prefill
-    blocks: 6-7% faster there; 1-14% slower for decode GEMVs)."""
+    blocks: 6-7% faster there; 1-14% slower for decode GEMVs). ``tail`` > 0 ("dot" mode, not
+    ``split``): a row block holds ``tm + tail`` rows (``bm``, not a power of two, e.g. 160 =
+    128 + 32) and each K step multiplies the one dequantized weight tile by both row tiles (two
+    MMAs): an expert block slightly larger than a power of two costs one weight read and few
+    padded rows instead of a second block."""
     mode: str
     tm: int
     bo: int
@@ -175,6 +179,7 @@ class Config:
     splitk: int = 1
     lowp_dequant: bool = False
     wlhs: bool = False
+    tail: int = 0
 
 
 # split-K target: about this many programs in flight (4 per SM of a 132-SM H200)
@@ -272,6 +277,11 @@ def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb:
         raise ValueError(f"grouped_qmatmul: the chunk mode takes one-row blocks of scaled weights (bm={bm})")
     tm = _pow2_at_least(bm)
     cfg["tm"] = CHUNK_ROWS if chunk else (max(tm, 16) if cfg["mode"] == "dot" else tm)
+    cfg["tail"] = 0
+    main = tm // 2
+    rest = bm - main
+    if cfg["mode"] == "dot" and not cfg.get("split") and bm != tm and rest >= 16 and not rest & (rest - 1):
+        cfg["tm"], cfg["tail"] = main, rest  # e.g. 160 = 128 + 32: two row tiles, one weight tile
     if cfg.get("num_warps") is None:
         cfg["num_warps"] = 8 if cfg["tm"] >= 128 else 4
     cfg["bo"] = min(cfg["bo"], _pow2_at_least(O))
@@ -290,7 +300,7 @@ def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb:
         raise ValueError(f"grouped_qmatmul: K={K} has no power-of-two step >= {QBLOCK}")
     if cfg.get("wlhs") and cfg["mode"] != "dot":
         raise ValueError("grouped_qmatmul: wlhs applies to the dot mode only")
-    if cfg["tm"] < bm or cfg["tm"] & (cfg["tm"] - 1):
+    if cfg["tm"] + cfg["tail"] < bm or cfg["tm"] & (cfg["tm"] - 1):
         raise ValueError(f"grouped_qmatmul: tm={cfg['tm']} must be a power of two >= bm={bm}")
     return Config(**cfg)
 
@@ -369,13 +379,13 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
     kr = K // cfg.splitk                                               # inputs of this program
     kbase = ks * kr
 
-    def put(val):  # this program's output tile (an fp32 partial-sum slice under split-K)
-        rows = val.shape[0]  # tm, or 1 (the chunk mode's one row)
+    def put(val, off=0):  # output rows r0 + off ... (an fp32 partial-sum slice under split-K)
+        rows = val.shape[0]  # tm, the tail's rows (all valid), or 1 (the chunk mode's one row)
         mask = smask if rows == tm else (o0 + lax.broadcasted_iota(jnp.int32, (1, bo), 1) < O)
         if cfg.splitk > 1:
-            _store(o_ref.at[pl.ds(ks, 1), pl.ds(r0, rows), pl.ds(o0, bo)], val.astype(F32)[None], mask[None])
+            _store(o_ref.at[pl.ds(ks, 1), pl.ds(r0 + off, rows), pl.ds(o0, bo)], val.astype(F32)[None], mask[None])
         else:
-            _store(o_ref.at[pl.ds(r0, rows), pl.ds(o0, bo)], val.astype(out_dtype), mask)
+            _store(o_ref.at[pl.ds(r0 + off, rows), pl.ds(o0, bo)], val.astype(out_dtype), mask)
 
     o0 = pl.multiple_of(oi * bo, bo)
     r0 = j * bm
@@ -391,6 +401,13 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
         lhs, rhs = (w, a) if cfg.wlhs else (a, w)
         return lax.dot_general(lhs.astype(cd), rhs.astype(cd), dims, precision=prec, preferred_element_type=F32)
 
+    def add_dots(acc, w, k0):  # acc + this K step's weight tile times the block's row tile(s)
+        if not cfg.tail:
+            return acc + dot(_load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask), w)
+        main, tail = acc  # bm = tm + tail rows, all of them valid
+        return (main + dot(_load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], True), w),
+                tail + dot(_load(x_ref.at[pl.ds(r0 + tm, cfg.tail), pl.ds(k0, bk)], True), w))
+
     if cfg.mode == "chunk":
         _chunk_program(bg_ref, x_ref, c_ref, s_ref, live=live, j=j, o0=o0, kbase=kbase, kr=kr, omask=omask,
                        cfg=cfg, mult=mult, cd=cd, prec=prec, put=put, codes_dtype=codes_dtype)
@@ -404,9 +421,9 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
             k0 = pl.multiple_of(kbase + kk * bk, bk)
             if not scaled:
                 w = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(k0, bk)], omask)             # [bo, bk]
-                xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask)              # [tm, bk]
                 if cfg.mode == "dot":
-                    return acc + dot(xt, w)
+                    return add_dots(acc, w, k0)
+                xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask)              # [tm, bk]
                 wf = w.astype(cd).astype(F32)
                 if cfg.acc:
                     return acc + xt.astype(F32)[:, None, :] * wf[None, :, :]                # [tm, bo, bk]
@@ -437,8 +454,7 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
                 w = (c.astype(cd) * scale_values(s, mult).astype(cd)[:, :, None]).reshape(bo, bk)
             else:
                 w = (c.astype(F32) * scale_values(s, mult)[:, :, None]).reshape(bo, bk)
-            xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask)
-            return acc + dot(xt, w)
+            return add_dots(acc, w, k0)
 
         if cfg.mode == "reduce" and cfg.acc:
             shape = (tm, bo, nkb, QBLOCK) if scaled else (tm, bo, bk)
@@ -446,14 +462,21 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
             while acc.ndim > 2:
                 acc = jnp.sum(acc, axis=-1)
         else:
-            acc = lax.fori_loop(0, kr // bk, step, jnp.zeros((bo, tm) if cfg.wlhs else (tm, bo), F32))
-            if cfg.wlhs:
+            zero = lambda r: jnp.zeros((bo, r) if cfg.wlhs else (r, bo), F32)  # noqa: E731
+            acc = lax.fori_loop(0, kr // bk, step, (zero(tm), zero(cfg.tail)) if cfg.tail else zero(tm))
+            if cfg.tail:
+                main, tail = (a.T for a in acc) if cfg.wlhs else acc
+                put(tail, off=tm)
+                acc = main
+            elif cfg.wlhs:
                 acc = acc.T
         put(acc)
 
     @pl.when(jnp.logical_not(live))
     def _skip():
         put(jnp.zeros((tm, bo), F32))
+        if cfg.tail:
+            put(jnp.zeros((cfg.tail, bo), F32), off=tm)
 
 
 def _chunk_program(bg_ref, x_ref, c_ref, s_ref, *, live, j, o0, kbase, kr, omask, cfg: Config, mult: float, cd,

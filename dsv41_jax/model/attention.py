@@ -10,6 +10,8 @@ candidate mask) goes through the ``ctx`` dict of the current forward.
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -116,9 +118,13 @@ class Indexer(nnx.Module):
     def keys(self, latent):
         return self.k_norm(self.wk(latent))
 
-    def scores(self, x, qr, pos, index_k, freqs, q_proj=None):
-        """Raw scores [B,S,T] (before any masking) of the chunk's queries against ``index_k``.
-        ``q_proj``: ``wq_b(qr)`` when the caller computed it already (a fused launch)."""
+    def scores(self, x, qr, pos, index_k, freqs, q_proj=None, n_vis=None):
+        """Scores [B,S,T] of the chunk's queries against ``index_k``: raw, or with ``n_vis`` [B,S]
+        the keys ``t >= n_vis`` masked to -inf. ``q_proj``: ``wq_b(qr)`` when the caller computed
+        it already (a fused launch). The math is ``kernels.indexer_scores``': its kernel (no
+        per-head score tensor; needs ``n_vis``) where ``scores_on_kernel`` says, else XLA."""
+        from dsv41_jax.kernels import indexer_scores
+
         dt = self.numerics.dtype
         B, S, _ = x.shape
         q = (self.wq_b(qr) if q_proj is None else q_proj).reshape(B, S, self.n_heads, self.head_dim)
@@ -126,9 +132,29 @@ class Indexer(nnx.Module):
         if self.numerics.fake_quant:
             q = quant.fq_fp4_e8(q, 32)
         w = (self.weights_proj(x) * (self.head_dim ** -0.5 * self.n_heads ** -0.5)).astype(dt)
-        s = einsum("bshd,btd->bsht", q, index_k.astype(dt), preferred_element_type=F32).astype(dt)
-        s = (jnp.maximum(s, 0) * w[..., None]).astype(dt)
-        return jnp.sum(s.astype(F32), axis=2).astype(dt)
+        kernel = n_vis is not None and scores_on_kernel(S)
+        if n_vis is None:
+            n_vis = jnp.full((B, S), index_k.shape[1], jnp.int32)
+        return indexer_scores(q.astype(dt), index_k, w, n_vis, impl="auto" if kernel else "xla")
+
+
+def scores_on_kernel(S: int) -> bool:
+    """Whether a chunk of ``S`` queries scores through the indexer kernel: where
+    ``kernels.use_pallas`` says (by default on Hopper-class GPUs), for prefill chunks (S >= 8;
+    single-token decode keeps XLA's small fusions), and not under a mesh whose partitioner would
+    have to gather the kernel's operands (``kernels.auto_split``). ``DSV41_INDEXER_KERNEL=0``
+    keeps XLA (A/B runs); read at trace time."""
+    from dsv41_jax.kernels import auto_split, use_pallas
+
+    mode = os.environ.get("DSV41_INDEXER_KERNEL", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"DSV41_INDEXER_KERNEL={mode!r}: use 1 (the kernel where it applies, the default) or 0")
+    return mode == "1" and S >= 8 and use_pallas() and not auto_split()
+
+
+# a chunk's indexer scores are formed in one kernel call when they take at most this many bytes
+# (8192 queries x 8192 keys in bf16: 128 MiB); larger chunks score per query block
+WHOLE_SCORES_BYTES = 1 << 30
 
 
 class Attention(nnx.Module):
@@ -203,10 +229,9 @@ class Attention(nnx.Module):
         freqs = self._freqs()
         src, use = self.plan.is_candidate_source, self.plan.uses_candidates
 
-        def one(xb, qrb, pb, cand_in, iqb):
+        def one(xb, qrb, pb, cand_in, iqb, sb=None):
             n_vis = (pb + 1) // m
-            s = self.indexer.scores(xb, qrb, pb, idx_k, freqs, q_proj=iqb)
-            s = jnp.where(jnp.arange(T) >= n_vis[..., None], NEG_INF, s)
+            s = self.indexer.scores(xb, qrb, pb, idx_k, freqs, q_proj=iqb, n_vis=n_vis) if sb is None else sb
             cand = None
             if src:
                 cand = select_candidate_blocks(s, n_vis, self.cand_blocks, self.cand_block_size)
@@ -222,9 +247,15 @@ class Attention(nnx.Module):
         if capture is not None or S <= 2 * bq or S % bq:
             idx, cand = one(x, qr, pos, cand_in, iq)
         else:
+            # on the kernel path the whole chunk's [S, T] scores come from one launch (a full GPU)
+            # where they fit; the query blocks then only bound the top-k's working set
+            whole = None
+            if scores_on_kernel(S) and B * S * T * jnp.dtype(self.numerics.dtype).itemsize <= WHOLE_SCORES_BYTES:
+                whole = self.indexer.scores(x, qr, pos, idx_k, freqs, q_proj=iq, n_vis=(pos + 1) // m)
+
             def body(i):
                 sl = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * bq, bq, axis=1)  # noqa: E731
-                return one(sl(x), sl(qr), sl(pos), sl(cand_in), sl(iq))
+                return one(sl(x), sl(qr), sl(pos), sl(cand_in), sl(iq), sl(whole))
 
             idx, cand = jax.lax.map(body, jnp.arange(S // bq))
             merge = lambda a: None if a is None else jnp.moveaxis(a, 0, 1).reshape(B, S, *a.shape[3:])  # noqa: E731

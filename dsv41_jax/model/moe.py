@@ -3,6 +3,7 @@ positions), clamped SwiGLU experts with the route weight applied before ``w2``, 
 expert, fp32 accumulation."""
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -28,13 +29,32 @@ def swiglu(g, u, limit: float):
 
 
 def pallas_chunk(n_pairs: int, n_experts: int) -> int:
-    """Rows per expert block for the Pallas grouped GEMM (``MoE.routed_pallas``): about the mean
-    number of pairs per expert, a power of two in [16, 128] (tensor-core tiles; fewer padded rows
-    at small counts)."""
-    c = 16
-    while c < 128 and c < n_pairs // max(n_experts, 1):
-        c *= 2
-    return c
+    """Rows per expert block for the Pallas grouped GEMM (``MoE.routed_pallas``), from the mean
+    number of pairs per expert ``m``. Every block costs one read (and dequantization) of its
+    expert's weights and its padded rows cost MMA work, so a block should hold a typical expert's
+    pairs, balanced routing's spread included: the largest power of two ``p <= m`` (32..128) plus
+    a row tile of ``max(16, pow2 >= 2.5 sqrt(m))`` rows, at most ``p / 2`` (kernel ``Config.tail``:
+    both tiles share each dequantized weight tile), e.g. 160 = 128 + 32 at m = 128 (an 8k prefill
+    of V4.1-Flash), 48 = 32 + 16 at m = 32; below m = 32 the power of two above ``m`` (16 or 32).
+    On uniform routing 160 was 16% faster than 128 and 48 16% faster than 32 (docs/performance.md,
+    run 19). ``DSV41_MOE_CHUNK`` (rows in [16, 1024]) fixes it (tuning runs)."""
+    env = os.environ.get("DSV41_MOE_CHUNK")
+    if env:
+        if not env.isdigit() or not 16 <= int(env) <= 1024:
+            raise ValueError(f"DSV41_MOE_CHUNK={env!r}: use a number of rows in [16, 1024]")
+        return int(env)
+    m = n_pairs / max(n_experts, 1)
+    if m <= 16:
+        return 16
+    if m < 32:
+        return 32
+    p = 32
+    while p < 128 and 2 * p <= m:
+        p *= 2
+    tail = 16
+    while tail < p // 2 and tail < 2.5 * math.sqrt(m):
+        tail *= 2
+    return p + tail
 
 
 def combine_pairs(y, row_of_pair, T: int, k: int):

@@ -1,0 +1,143 @@
+"""Prefill pieces at V4.1-Flash width, one JSON line per measurement (also appended to
+$OUT/sweep_prefill.jsonl).
+
+``--part indexer``: the lightning-indexer scores of an 8k prefill chunk (32 heads x 128, bf16):
+XLA's formulation per 256-query block (what the model ran before the kernel), XLA on the whole
+chunk, and ``kernels.indexer_scores`` over its tiles; FLOPs count the visible (causal) keys only.
+
+``--part moe``: the routed experts of a prefill (2k, 8k, 32k tokens x 6 pairs over 384 int8
+experts, random routing) in ``MoE.routed_pallas``' block layout with ``c``-row expert blocks:
+the fused w1 + w3 launch and the w2 launch, per block size and tile; FLOPs count the real pairs
+(padding rows are waste). Block sizes that are not powers of two run as two row tiles
+(``Config.tail``, e.g. 160 = 128 + 32).
+
+    python3 benchmarks/sweep_prefill.py --part indexer,moe
+    python3 benchmarks/sweep_prefill.py --smoke      # tiny sizes in the Pallas interpreter (CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import bench_qmatmul as bq  # noqa: E402
+import bench_slice as bs  # noqa: E402
+from dsv41_jax.kernels import qmatmul as Q  # noqa: E402
+from dsv41_jax.kernels.indexer import indexer_scores, indexer_scores_reference  # noqa: E402
+
+emit = bs.jsonl_emitter("sweep_prefill.jsonl")
+BF16 = jnp.bfloat16
+IMPL = "triton"
+INDEXER_TILES = ({}, dict(bq=128, bt=128, num_warps=8), dict(bq=64, bt=64), dict(bq=128, bt=64),
+                 dict(bq=64, bt=256, num_warps=8), dict(bq=32, bt=128), dict(num_stages=2), dict(num_stages=4))
+
+
+def part_indexer(key, S: int = 8192, H: int = 32, hd: int = 128, block: int = 256):
+    for T, m in ((S // 2, 2), (S, 1)):
+        k1, k2, k3 = jax.random.split(jax.random.fold_in(key, T), 3)
+        q = jax.random.normal(k1, (1, S, H, hd), jnp.float32).astype(BF16)
+        k = jax.random.normal(k2, (1, T, hd), jnp.float32).astype(BF16)
+        w = (0.01 * jax.random.normal(k3, (1, S, H), jnp.float32)).astype(BF16)
+        n_vis = ((jnp.arange(S) + 1) // m)[None].astype(jnp.int32)
+        flops = 2.0 * H * hd * float(jnp.sum(n_vis))
+        want = jax.jit(indexer_scores_reference)(q, k, w, n_vis)
+
+        def blocks(i, s, q, k, w, n_vis):
+            qs = q + s.astype(BF16)
+
+            def one(b):
+                sl = lambda a: jax.lax.dynamic_slice_in_dim(a, b * block, block, axis=1)  # noqa: E731
+                return indexer_scores_reference(sl(qs), k, sl(w), sl(n_vis))
+            return jax.lax.map(one, jnp.arange(S // block))
+
+        def whole(i, s, q, k, w, n_vis):
+            return indexer_scores_reference(q + s.astype(BF16), k, w, n_vis)
+
+        rows = [("xla_blocks256", blocks, None), ("xla_whole", whole, None)]
+        for tiles in INDEXER_TILES:
+            def kern(i, s, q, k, w, n_vis, tiles=tiles):
+                return indexer_scores(q + s.astype(BF16), k, w, n_vis, impl=IMPL, **tiles)
+            rows.append(("kernel", kern, tiles))
+        for name, fn, tiles in rows:
+            try:
+                t, comp = bq.timeit(fn, q, k, w, n_vis, reps=5)
+                extra = {}
+                if tiles is not None:
+                    got = jax.jit(lambda *a, tiles=tiles: indexer_scores(*a, impl=IMPL, **tiles))(q, k, w, n_vis)
+                    fin = np.isfinite(np.asarray(want, np.float32))
+                    g, r = np.asarray(got, np.float32), np.asarray(want, np.float32)
+                    extra = dict(mask_equal=bool(np.array_equal(np.isfinite(g), fin)),
+                                 rel_err=float(np.max(np.abs(np.where(fin, g, 0) - np.where(fin, r, 0)))
+                                               / np.max(np.abs(r[fin]))),
+                                 frac_bits_equal=float(np.mean(g[fin] == r[fin])))
+                emit(part="indexer", keys=T, ratio=m, form=name, tiles=tiles, ms=round(t * 1e3, 3),
+                     TFLOPs=round(flops / t / 1e12, 1), compile_s=round(comp, 1), **extra)
+            except Exception as e:  # noqa: BLE001
+                emit(part="indexer", keys=T, ratio=m, form=name, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+# (tokens, chunk, tiles); chunks that are not powers of two run as two row tiles (Config.tail)
+MOE_VARIANTS = ((8192, 128, {}), (8192, 144, {}), (8192, 160, {}), (8192, 192, {}), (8192, 160, dict(num_stages=4)),
+                (8192, 160, dict(wlhs=False, num_warps=8)), (2048, 32, {}), (2048, 48, {}), (2048, 64, {}),
+                (2048, 40, {}), (32768, 128, {}), (32768, 192, {}))
+
+
+def part_moe(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304):
+    from dsv41_jax.model.moe import MoE
+
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    w1, w3, w2 = bq.make_int8(k1, E, Ii, D), bq.make_int8(k2, E, Ii, D), bq.make_int8(k3, E, D, Ii)
+    for T, c, tiles in MOE_VARIANTS:
+        try:
+            ids = jax.random.randint(jax.random.fold_in(k4, T), (T, k), 0, E, dtype=jnp.int32)
+            counts = np.bincount(np.asarray(ids).ravel(), minlength=E)
+            flops = 2.0 * T * k * 3 * Ii * D
+            _, _, NC, blocks, n_used = MoE._blocks(types.SimpleNamespace(n_experts=E), ids, c)
+            x = jax.random.normal(k1, (NC * c, D), jnp.float32).astype(BF16)
+            h = jax.random.normal(k2, (NC * c, Ii), jnp.float32).astype(BF16)
+
+            def fn(i, s, x, h, blocks, n_used, w1, w3, w2, tiles=tiles, c=c):
+                g, u = Q.grouped_qmatmul_fused(x + s.astype(BF16), blocks, n_used, [w1, w3], bm=c, out_dtype=BF16,
+                                               impl=IMPL, **tiles)
+                (y,) = Q.grouped_qmatmul_fused(h + s.astype(BF16) + g[:, :1] * 0, blocks, n_used, [w2], bm=c,
+                                               out_dtype=BF16, impl=IMPL, **tiles)
+                return jnp.concatenate([u[:, :8], y[:, :8]], axis=1) + jnp.sum(y) * 0
+
+            t, comp = bq.timeit(fn, x, h, blocks, n_used, w1, w3, w2, reps=3)
+            reads = int(np.sum(-(-counts // c)))
+            cfg = Q.choose_config(c, Ii, D, True, nb=NC, groups=E, **tiles)
+            emit(part="moe", tokens=T, chunk=c, tiles=tiles, tm=cfg.tm, tail=cfg.tail, ms=round(t * 1e3, 3),
+                 TFLOPs=round(flops / t / 1e12, 1), rows=reads * c, pairs=int(T * k),
+                 padded_frac=round(reads * c / (T * k) - 1, 3), expert_reads=reads, compile_s=round(comp, 1))
+        except Exception as e:  # noqa: BLE001
+            emit(part="moe", tokens=T, chunk=c, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--part", default="indexer,moe")
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args()
+    emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
+    key = jax.random.key(0)
+    parts = {"indexer": part_indexer, "moe": part_moe}
+    if a.smoke:
+        global IMPL, INDEXER_TILES, MOE_VARIANTS
+        IMPL, INDEXER_TILES = "interpret", ({}, dict(bq=16, bt=32))
+        MOE_VARIANTS = ((32, 16, {}), (32, 48, dict(bo=32)), (64, 24, {}))
+        parts = {"indexer": lambda k: part_indexer(k, S=64, H=2, hd=32, block=16),
+                 "moe": lambda k: part_moe(k, k=2, E=4, D=64, Ii=32)}
+    for part in a.part.split(","):
+        parts[part](key)
+
+
+if __name__ == "__main__":
+    main()
