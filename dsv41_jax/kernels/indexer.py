@@ -116,10 +116,9 @@ def indexer_scores(q, k, w, n_vis, *, impl: str = "auto", **tiles):
         raise ValueError(f"indexer_scores: head weights {w.shape} / n_vis {n_vis.shape} for queries {q.shape}")
     k, w, n_vis = k.astype(q.dtype), w.astype(q.dtype), n_vis.astype(jnp.int32)
     impl = kernel_impl(impl)
-    out_shape = (B, S, k.shape[1])
-    if impl == "triton" and not all(offsets_fit(a.shape, a.dtype) for a in (q, k, w)) \
-            or impl == "triton" and not offsets_fit(out_shape, q.dtype):
-        impl = "xla"
+    shapes = [(a.shape, a.dtype) for a in (q, k, w)] + [((B, S, k.shape[1]), q.dtype)]
+    if impl == "triton" and not all(offsets_fit(shape, dtype) for shape, dtype in shapes):
+        impl = "xla"  # an operand the Triton lowering would misaddress (see qmatmul.offsets_fit)
     if impl == "xla":
         return indexer_scores_reference(q, k, w, n_vis)
     cfg = IndexerConfig(**tiles)
