@@ -47,6 +47,9 @@ ap.add_argument("--prefill", default="8192")
 ap.add_argument("--image-side", type=int, default=1024, help="pixels per side of the image prompt (0: skip)")
 ap.add_argument("--image-new-tokens", type=int, default=32)
 ap.add_argument("--skip", default="", help="comma list of: ceil,prefill,decode,image")
+ap.add_argument("--router", default="balanced", choices=("balanced", "random"),
+                help="router biases balanced on a calibration prompt (bench_slice.balance_router; the load time "
+                     "includes it) or as drawn")
 ARGS = ap.parse_args() if __name__ == "__main__" else None  # importable (tests use the layer plan)
 if ARGS is not None and ARGS.loop_tokens <= 8:
     ap.error("--loop-tokens must exceed 8 (the short loop it is compared with)")
@@ -199,6 +202,8 @@ def main():
               dense_fp8=release_fp8_linears(nnx.eval_shape(lambda: DeepseekV41(cfg, numerics, engram_quantized=True))))
     model = bs.random_model(cfg, numerics, mesh=mesh, **kw)
     bs.mark_release_quantized(model)
+    if a.router == "balanced":
+        bs.balance_router(model, cfg)
     jax.block_until_ready(nnx.state(model))
     load_s = time.perf_counter() - t0
     rows = shd.shardings_table(model, mesh)

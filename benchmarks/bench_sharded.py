@@ -42,6 +42,8 @@ ap.add_argument("--engram-rows", type=int, default=20_000_000)
 ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                 help="compute dtype; float32 + --numerics fast is the parity setting (see below)")
 ap.add_argument("--numerics", default="reference", choices=["reference", "fast"])
+ap.add_argument("--router", default="balanced", choices=["balanced", "random"],
+                help="router biases balanced on a calibration prompt (bench_slice.balance_router) or as drawn")
 ARGS = ap.parse_args()
 if ARGS.cpu_devices:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -127,6 +129,8 @@ def main():
         model = bs.random_model(cfg, num, experts_int8=a.experts == "int8")
         if a.numerics == "reference":
             bs.mark_release_quantized(model)
+        if a.router == "balanced":
+            bs.balance_router(model, cfg)
         ids = jax.random.randint(jax.random.key(7), (a.batch, a.prompt), 0, cfg.text.vocab_size).astype(jnp.int32)
         ref_pre, ref_dec, ref_tok = greedy(model, ids, a.steps)
         t1 = time_decode(model, a.batch, a.ctx)

@@ -272,16 +272,27 @@ def routed_ids(model, cfg, B: int, ctx: int, seed: int = 11) -> list:
 def _prefill_picks(model, cfg, S: int):
     """A jitted ``picks(state, ids)``: every layer's routed expert ids [1, S, k] for a prompt of S
     tokens (one forward with capture; the state is an argument, so new router biases reuse it)."""
-    graphdef, _ = nnx.split(model)
+    from dsv41_jax import sharding as shd
+
+    graphdef, state0 = nnx.split(model)
     L = cfg.text.num_hidden_layers
+    mesh = shd.mesh_of(jax.tree_util.tree_leaves(state0))
     cache = model.init_cache(1, S)
+    if mesh is not None:
+        cache = shd.shard_cache(cache, mesh)
 
     @jax.jit
-    def picks(state, ids):
+    def routed(state, cache, ids):
         cap = {}
         nnx.merge(graphdef, state)(ids, positions=jnp.arange(S, dtype=jnp.int32)[None], valid=jnp.ones((1, S), bool),
                                    cache=cache, capture=cap)
         return [cap[f"moe_topk_L{l}"] for l in range(L)]
+
+    def picks(state, ids):  # under the model's mesh when it is sharded (as routed_ids)
+        if mesh is None:
+            return routed(state, cache, ids)
+        with shd.use_mesh(mesh):
+            return routed(state, cache, ids)
 
     return picks
 
@@ -309,16 +320,21 @@ def prefill_routing(model, cfg, S: int, chunks=(128, 160)) -> None:
 ROUTER = "random"
 
 
-def balance_router(model, cfg, S: int = 2048, iters: int = 40, step: float = 0.02, seed: int = 7) -> None:
+def balance_router(model, cfg, S: int | None = None, iters: int = 40, step: float = 0.02, seed: int = 7) -> None:
     """Give the random routers the balanced loads of a trained one. Random gate weights and
     biases route most tokens to a few experts (the biases dominate the scores and the hidden
     states of random tokens are alike), which makes a MoE benchmark read few experts' weights.
     Training balances the loads with the router bias (DeepSeek's auxiliary-loss-free rule:
     raise the bias of under-loaded experts, lower the over-loaded ones); this runs that rule on
-    a calibration prompt of S random tokens (not the benchmark's prompts) from zero biases,
-    with a step that shrinks geometrically. Emits the loads before and after."""
+    a calibration prompt of S random tokens (not the benchmark's prompts; default: 32 pairs per
+    expert on average, at most 2048 tokens) from zero biases, with a step that shrinks
+    geometrically. Emits the loads before and after."""
     global ROUTER
     t = cfg.text
+    if S is None:
+        S = 16
+        while S < 2048 and S * t.num_experts_per_tok < 32 * t.n_routed_experts:
+            S *= 2
     picks = _prefill_picks(model, cfg, S)
     ids = jax.random.randint(jax.random.key(seed), (1, S), 0, t.vocab_size).astype(jnp.int32)
     gates = [layer.ffn.gate for layer in model.layers]
@@ -788,7 +804,8 @@ def main():
     if "compile" not in skip and not a.compile_last:
         bench_compile_full(numerics, compile_shapes, a.experts == "int8")
     cfg = slice_config(a.layers, a.small, a.engram_rows)
-    needs_model = bool(a.breakdown or a.breakdown_prefill) or not {"decode", "prefill", "vit"} <= skip
+    needs_model = bool(a.breakdown or a.breakdown_prefill or a.decode_loop or a.prefill_routing) \
+        or not {"decode", "prefill", "vit"} <= skip
     if not needs_model:
         if "compile" not in skip and a.compile_last:
             bench_compile_full(numerics, compile_shapes, a.experts == "int8")
