@@ -18,6 +18,7 @@ Each result is printed as one JSON line and collected in $OUT/bench_slice.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -66,6 +67,23 @@ def emit(**kw):
         kw["tag"] = TAG
     RESULTS.append(kw)
     _emit_row(**kw)
+
+
+@contextlib.contextmanager
+def variant(tag: str, env: dict | None = None):
+    """Rows emitted inside carry ``tag`` and the environment holds ``env``; both restored after
+    (A/B runs in one process: settings read at trace time need a fresh compile)."""
+    global TAG
+    env = env or {}
+    saved = {k: os.environ.get(k) for k in env}
+    old, TAG = TAG, tag
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        TAG = old
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def bench(fn, *args, warmup=2, iters=5, times=None):
@@ -243,52 +261,30 @@ def _leaves_by_path(model):
     return out
 
 
-def routed_ids(model, cfg, B: int, ctx: int, seed: int = 11) -> list:
-    """The expert ids each layer's router picks in one decode step of B random tokens at ``ctx``
-    (the benchmark's inputs; one jitted forward, under the model's mesh when it is sharded):
-    with random weights the router need not spread tokens uniformly, so the byte roofline uses
-    these picks, not the uniform expectation."""
-    from dsv41_jax import sharding as shd
-
-    graphdef, state = nnx.split(model)
-    L = cfg.text.num_hidden_layers
-
-    def routed(state, cache, ids):
-        cap = {}
-        nnx.merge(graphdef, state)(ids, positions=jnp.full((B, 1), ctx, jnp.int32), valid=jnp.ones((B, 1), bool),
-                                   cache=cache, capture=cap)
-        return [cap[f"moe_topk_L{l}"] for l in range(L)]
-
-    cache = model.init_cache(B, ctx + 64)
-    cache = dict(cache, length=jnp.full((B,), ctx, jnp.int32))
-    ids = jax.random.randint(jax.random.key(seed + B), (B, 1), 0, cfg.text.vocab_size).astype(jnp.int32)
-    mesh = shd.mesh_of(jax.tree_util.tree_leaves(state))
-    if mesh is None:
-        return [np.asarray(x) for x in jax.jit(routed)(state, cache, ids)]
-    with shd.use_mesh(mesh):
-        return [np.asarray(x) for x in jax.jit(routed)(state, shd.shard_cache(cache, mesh), ids)]
-
-
-def _prefill_picks(model, cfg, S: int):
-    """A jitted ``picks(state, ids)``: every layer's routed expert ids [1, S, k] for a prompt of S
-    tokens (one forward with capture; the state is an argument, so new router biases reuse it)."""
+def _router_picks(model, cfg, B: int, S: int, start: int = 0, capacity: int | None = None):
+    """A ``picks(state, ids)``: every layer's routed expert ids [B, S, k] for ``ids`` [B, S] at
+    positions ``start ..`` over a cache of ``capacity`` (default S) filled up to ``start`` (one
+    jitted forward with capture, run under the model's mesh when it is sharded; the state is an
+    argument, so new router biases reuse the executable)."""
     from dsv41_jax import sharding as shd
 
     graphdef, state0 = nnx.split(model)
     L = cfg.text.num_hidden_layers
     mesh = shd.mesh_of(jax.tree_util.tree_leaves(state0))
-    cache = model.init_cache(1, S)
+    cache = model.init_cache(B, capacity or S)
+    if start:
+        cache = dict(cache, length=jnp.full((B,), start, jnp.int32))
     if mesh is not None:
         cache = shd.shard_cache(cache, mesh)
+    positions = jnp.broadcast_to(start + jnp.arange(S, dtype=jnp.int32), (B, S))
 
     @jax.jit
     def routed(state, cache, ids):
         cap = {}
-        nnx.merge(graphdef, state)(ids, positions=jnp.arange(S, dtype=jnp.int32)[None], valid=jnp.ones((1, S), bool),
-                                   cache=cache, capture=cap)
+        nnx.merge(graphdef, state)(ids, positions=positions, valid=jnp.ones((B, S), bool), cache=cache, capture=cap)
         return [cap[f"moe_topk_L{l}"] for l in range(L)]
 
-    def picks(state, ids):  # under the model's mesh when it is sharded (as routed_ids)
+    def picks(state, ids):
         if mesh is None:
             return routed(state, cache, ids)
         with shd.use_mesh(mesh):
@@ -297,13 +293,22 @@ def _prefill_picks(model, cfg, S: int):
     return picks
 
 
+def routed_ids(model, cfg, B: int, ctx: int, seed: int = 11) -> list:
+    """The expert ids each layer's router picks in one decode step of B random tokens at ``ctx``
+    (the benchmark's inputs): with random weights the router need not spread tokens uniformly, so
+    the byte roofline uses these picks, not the uniform expectation."""
+    ids = jax.random.randint(jax.random.key(seed + B), (B, 1), 0, cfg.text.vocab_size).astype(jnp.int32)
+    picks = _router_picks(model, cfg, B, 1, start=ctx, capacity=ctx + 64)(nnx.state(model), ids)
+    return [np.asarray(x) for x in picks]
+
+
 def prefill_routing(model, cfg, S: int, chunks=(128, 160)) -> None:
     """Per-layer expert loads of one prefill of S random tokens (``bench_prefill``'s prompt): how
     many experts are used, the largest count, the share of the 8 busiest experts, and the expert
     blocks (weight reads of the routed kernel) and padded rows of ``MoE.routed_pallas``' layout at
     each block size in ``chunks``."""
     ids = jax.random.randint(jax.random.key(1), (1, S), 0, cfg.text.vocab_size).astype(jnp.int32)
-    picks = _prefill_picks(model, cfg, S)(nnx.state(model), ids)
+    picks = _router_picks(model, cfg, 1, S)(nnx.state(model), ids)
     E = cfg.text.n_routed_experts
     for l, p in enumerate(picks):
         counts = np.bincount(np.asarray(p).ravel(), minlength=E)
@@ -335,7 +340,7 @@ def balance_router(model, cfg, S: int | None = None, iters: int = 40, step: floa
         S = 16
         while S < 2048 and S * t.num_experts_per_tok < 32 * t.n_routed_experts:
             S *= 2
-    picks = _prefill_picks(model, cfg, S)
+    picks = _router_picks(model, cfg, 1, S)
     ids = jax.random.randint(jax.random.key(seed), (1, S), 0, t.vocab_size).astype(jnp.int32)
     gates = [layer.ffn.gate for layer in model.layers]
     for g in gates:
@@ -829,10 +834,10 @@ def main():
     if a.decode_loop:
         bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens, copy_tb_s)
         if a.router == "ab":  # the same decode loops after balancing, in this process: the routers' A/B
-            TAG, tag = f"{a.tag} balanced".strip(), TAG
-            balance_router(model, cfg)
-            bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens, copy_tb_s)
-            TAG = tag
+            with variant(f"{a.tag} balanced".strip()):
+                balance_router(model, cfg)
+                bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens,
+                                  copy_tb_s)
     if "decode" not in skip:
         bench_decode(model, cfg, batches, a.ctx, copy_tb_s=copy_tb_s)
         if a.moe_paths:
@@ -841,15 +846,9 @@ def main():
             os.environ["DSV41_MOE_PATH"] = "auto"
     if "prefill" not in skip:
         bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
-        for variant in [v for v in a.prefill_variants.split(";") if v]:  # same process, same weights
-            env = dict(kv.split("=", 1) for kv in variant.split(","))
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            TAG, tag = f"{a.tag} {variant}".strip(), TAG
-            bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)  # compiles afresh
-            TAG = tag
-            for k, v in saved.items():
-                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        for v in [v for v in a.prefill_variants.split(";") if v]:  # same process, same weights
+            with variant(f"{a.tag} {v}".strip(), dict(kv.split("=", 1) for kv in v.split(","))):
+                bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)  # compiles afresh
     for S in [int(s) for s in a.prefill_routing.split(",") if s]:
         prefill_routing(model, cfg, S)
     if "vit" not in skip and model.vision is not None:
