@@ -69,6 +69,12 @@ def emit(**kw):
     _emit_row(**kw)
 
 
+def _env_pairs(v: str) -> dict:
+    """``'A=1,B=2'`` -> ``{'A': '1', 'B': '2'}`` (one variant of ``--prefill-variants`` /
+    ``--loop-variants``; a value may hold ``=`` but not ``,``)."""
+    return dict(kv.split("=", 1) for kv in v.split(","))
+
+
 @contextlib.contextmanager
 def variant(tag: str, env: dict | None = None):
     """Rows emitted inside carry ``tag`` and the environment holds ``env``; both restored after
@@ -788,6 +794,8 @@ def main():
                          "prompt (balance_router), as a trained router's are; random: the random biases as drawn; "
                          "ab: the decode loops with the random biases, then balanced, in one process")
     ap.add_argument("--decode-loop", default="", help="batches timed through generate's while_loop (per token)")
+    ap.add_argument("--loop-variants", default="",
+                    help="';'-separated env settings ('A=1,B=2;C=3') under which the --decode-loop batches run again")
     ap.add_argument("--loop-tokens", type=int, default=64, help="tokens per timed decode loop")
     a = ap.parse_args()
     if a.loop_tokens <= 8:
@@ -833,6 +841,10 @@ def main():
     batches = [int(b) for b in a.batches.split(",")] if a.batches else []
     if a.decode_loop:
         bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens, copy_tb_s)
+        for v in [v for v in a.loop_variants.split(";") if v]:  # same process, same weights
+            with variant(f"{a.tag} {v}".strip(), _env_pairs(v)):
+                bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens,
+                                  copy_tb_s)  # compiles afresh
         if a.router == "ab":  # the same decode loops after balancing, in this process: the routers' A/B
             with variant(f"{a.tag} balanced".strip()):
                 balance_router(model, cfg)
@@ -847,7 +859,7 @@ def main():
     if "prefill" not in skip:
         bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
         for v in [v for v in a.prefill_variants.split(";") if v]:  # same process, same weights
-            with variant(f"{a.tag} {v}".strip(), dict(kv.split("=", 1) for kv in v.split(","))):
+            with variant(f"{a.tag} {v}".strip(), _env_pairs(v)):
                 bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)  # compiles afresh
     for S in [int(s) for s in a.prefill_routing.split(",") if s]:
         prefill_routing(model, cfg, S)

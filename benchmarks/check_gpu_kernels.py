@@ -9,7 +9,8 @@ reference per weight and, with the same split-K, bit for bit against separate la
 multi-problem launch (``grouped_qmatmul_multi``: the decode MoE's routed w1 + w3 beside the
 shared expert's fp8 w1 + w3) bit for bit against each problem's own launch; and the indexer-score
 kernel (``kernels.indexer_scores``, V4.1's 32 index heads x 128) against its XLA formulation in
-bf16 and fp32 (the -inf mask equal, finite scores within the summation-order error).
+bf16 and fp32 (the -inf mask equal, finite scores within the summation-order error); and the
+one-pass mHC mixes (``kernels.mhc_mix``) against their XLA formulation.
 
     python3 benchmarks/check_gpu_kernels.py
 """
@@ -128,6 +129,22 @@ def check_indexer(key):
                  frac_bits_equal=float(np.mean(got[fin] == want[fin])))
 
 
+def check_mhc_mix(key):
+    """The one-pass mHC mixes (``kernels.mhc_mix``) at V4.1 width (4 x 5120 stream, 24 outputs):
+    an 8k prefill chunk and a short one, bf16 and fp32 streams."""
+    from dsv41_jax.kernels.mhc_mix import hc_mix_sums, hc_mix_sums_reference
+
+    for dt in (jnp.bfloat16, jnp.float32):
+        for T in (8192, 100):
+            k1, k2 = jax.random.split(jax.random.fold_in(key, T), 2)
+            x = jax.random.normal(k1, (T, 4 * 5120), jnp.float32).astype(dt)
+            fn = 0.02 * jax.random.normal(k2, (24, 4 * 5120), jnp.float32)
+            mix, ss = jax.jit(lambda *a, bt=128 if T >= 128 else 64: hc_mix_sums(*a, impl="triton", bt=bt))(x, fn)
+            rmix, rss = jax.jit(hc_mix_sums_reference)(x, fn)
+            emit(check="hc_mix_sums", dtype=jnp.dtype(dt).name, tokens=T, mix_rel_err=rel(mix, rmix),
+                 ss_rel_err=rel(ss, rss))
+
+
 def check_multi(routed, shared):
     """The decode MoE's two w1 + w3 problems in one launch, against each alone and the reference."""
     f32 = jnp.float32
@@ -155,3 +172,4 @@ def check_multi(routed, shared):
 if __name__ == "__main__":
     main()
     check_indexer(jax.random.key(3))
+    check_mhc_mix(jax.random.key(4))

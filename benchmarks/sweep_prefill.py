@@ -11,7 +11,10 @@ the fused w1 + w3 launch and the w2 launch, per block size and tile; FLOPs count
 (padding rows are waste). Block sizes that are not powers of two run as two row tiles
 (``Config.tail``, e.g. 160 = 128 + 32).
 
-    python3 benchmarks/sweep_prefill.py --part indexer,moe
+``--part mhc``: one mHC site's mixing sums of an 8k chunk (4 x 5120 bf16 stream, 24 outputs):
+XLA's three kernels against ``kernels.hc_mix_sums`` over its tiles.
+
+    python3 benchmarks/sweep_prefill.py --part indexer,moe,mhc
     python3 benchmarks/sweep_prefill.py --smoke      # tiny sizes in the Pallas interpreter (CPU)
 """
 from __future__ import annotations
@@ -121,6 +124,40 @@ def part_moe(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304):
             emit(part="moe", tokens=T, chunk=c, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
+MHC_TILES = ({}, dict(bt=64, bk=128, num_warps=4), dict(bt=128, bk=128), dict(bt=128, bk=32),
+             dict(num_stages=4), dict(num_stages=2), dict(splits=1), dict(splits=4))
+
+
+def part_mhc(key, S: int = 8192, K: int = 4 * 5120, O: int = 24):
+    """One mHC site's mixing sums of an S-token chunk (bf16 stream): XLA's formulation (the
+    conversion, the statistic's reduction and the fp32 GEMM: what the model ran before) against
+    ``kernels.hc_mix_sums`` over its tiles; bandwidth counts the stream's bytes read once."""
+    from dsv41_jax.kernels.mhc_mix import hc_mix_sums, hc_mix_sums_reference
+
+    k1, k2 = jax.random.split(key)
+    x = jax.random.normal(k1, (S, K), jnp.float32).astype(BF16)
+    fn = 0.02 * jax.random.normal(k2, (O, K), jnp.float32)
+    want = jax.jit(hc_mix_sums_reference)(x, fn)
+    def both(f):  # the loop's data dependence goes through the small weights, so x is read as stored
+        return lambda i, s, x, fn: jnp.concatenate([a.reshape(x.shape[0], -1) for a in f(x, fn + s)], axis=1)
+
+    rows = [("xla", both(hc_mix_sums_reference), None)]
+    for tiles in MHC_TILES:
+        rows.append(("kernel", both(lambda x, fn, tiles=tiles: hc_mix_sums(x, fn, impl=IMPL, **tiles)), tiles))
+    for name, f, tiles in rows:
+        try:
+            t, comp = bq.timeit(f, x, fn, reps=5)
+            extra = {}
+            if tiles is not None:
+                got = jax.jit(lambda *a, tiles=tiles: hc_mix_sums(*a, impl=IMPL, **tiles))(x, fn)
+                extra = dict(mix_rel_err=float(jnp.max(jnp.abs(got[0] - want[0])) / jnp.max(jnp.abs(want[0]))),
+                             ss_rel_err=float(jnp.max(jnp.abs(got[1] - want[1])) / jnp.max(jnp.abs(want[1]))))
+            emit(part="mhc", tokens=S, form=name, tiles=tiles, ms=round(t * 1e3, 4),
+                 TBps=round(x.nbytes / t / 1e12, 3), compile_s=round(comp, 1), **extra)
+        except Exception as e:  # noqa: BLE001
+            emit(part="mhc", tokens=S, form=name, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="indexer,moe")
@@ -128,13 +165,15 @@ def main():
     a = ap.parse_args()
     emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
     key = jax.random.key(0)
-    parts = {"indexer": part_indexer, "moe": part_moe}
+    parts = {"indexer": part_indexer, "moe": part_moe, "mhc": part_mhc}
     if a.smoke:
-        global IMPL, INDEXER_TILES, MOE_VARIANTS
+        global IMPL, INDEXER_TILES, MOE_VARIANTS, MHC_TILES
         IMPL, INDEXER_TILES = "interpret", ({}, dict(bq=16, bt=32))
+        MHC_TILES = ({}, dict(bt=16, bk=64))
         MOE_VARIANTS = ((32, 16, {}), (32, 48, dict(bo=32)), (64, 24, {}))
         parts = {"indexer": lambda k: part_indexer(k, S=64, H=2, hd=32, block=16),
-                 "moe": lambda k: part_moe(k, k=2, E=4, D=64, Ii=32)}
+                 "moe": lambda k: part_moe(k, k=2, E=4, D=64, Ii=32),
+                 "mhc": lambda k: part_mhc(k, S=80, K=512)}
     for part in a.part.split(","):
         parts[part](key)
 

@@ -309,6 +309,13 @@ def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numeric
             from dsv41_jax.sharding import shard_model
 
             shard_model(model, mesh)
+        else:  # weights committed to the device, as restore_model's are: the jitted programs (and
+            # their persistent-cache entries) are then the same for both checkpoint formats
+            import jax
+            from flax import nnx
+
+            one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            nnx.update(model, jax.device_put(nnx.state(model, nnx.Param), one))
     else:
         from dsv41_jax.checkpoint import restore_model
 

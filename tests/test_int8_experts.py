@@ -32,9 +32,13 @@ def test_int8_experts_equal_dequantized_every_path(numerics, monkeypatch):
     np.testing.assert_array_equal(np.asarray(ex.w2.values(jnp.float32)),
                                   np.asarray(a.layers[1].ffn.experts.w2.weight.get_value(), np.float32))
     assert _param_bytes(b) < _param_bytes(a)
-    ids = jnp.asarray(np.random.default_rng(0).integers(3, 240, (1, 12)), jnp.int32)
-    la, _ = a(ids)
-    lb, _ = b(ids)
+    # a jitted prefill (one compile per model instead of the eager forward's hundreds of op
+    # compiles); the shapes of test_fp8_dense's prefill, whose executables the cache may hold
+    from dsv41_jax.generate import forward_chunk
+
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 240, (1, 11)), jnp.int32)
+    la, _ = forward_chunk(a, ids, a.init_cache(1, 16))
+    lb, _ = forward_chunk(b, ids, b.init_cache(1, 16))
     np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
     # every routed-expert implementation reads the quantized storage identically
     x = jax.random.normal(jax.random.key(1), (40, a.config.text.hidden_size)).astype(numerics.dtype)

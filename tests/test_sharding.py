@@ -31,7 +31,11 @@ MESH_CONFIG = {"text_config": {
     "kv_source_layer_ids": [0, 1], "index_source_layer_ids": [0, 1, 2], "candidate_source_layer_id": 1,
     "index_n_heads": 8, "index_head_dim": 32, "index_topk": 6, "engram_layer_ids": [0, 1],
 }}
-MESHES = ((1, 1, 8), (1, 8, 1), (2, 2, 2), (8, 1, 1), (1, 4, 2))
+# 8-way tensor, 8-way expert and all three axes at once; (8, 1, 1) and (1, 4, 2) ran here until
+# session 11 (they passed every run) and still run with DSV41_SHARDING_MESHES="8,1,1;1,4,2"
+# (about 13 s of CPU each), added to these
+MESHES = ((1, 1, 8), (1, 8, 1), (2, 2, 2)) + tuple(
+    tuple(int(v) for v in m.split(",")) for m in os.environ.get("DSV41_SHARDING_MESHES", "").split(";") if m.strip())
 # the golden dim-64 family has 4 heads, 2 output groups, 6 experts, batch 1: (1,3,2) splits
 # experts 3 ways and heads/groups/intermediate 2 ways (and pads the Engram tables). More meshes
 # (e.g. 1,2,2 / 1,6,1) via DSV41_SHARDING_GOLDEN_MESHES="1,2,2;1,6,1" (each costs ~25 s of CPU).

@@ -2,12 +2,13 @@
 import os
 
 from dsv41_jax.kernels.indexer import indexer_scores, indexer_scores_reference
+from dsv41_jax.kernels.mhc_mix import hc_mix_sums, hc_mix_sums_reference
 from dsv41_jax.kernels.qmatmul import (dequantize, grouped_qmatmul, grouped_qmatmul_fused, grouped_qmatmul_multi,
                                       grouped_qmatmul_reference, kernel_impl, offsets_fit)
 
 __all__ = ["auto_split", "dequantize", "fused_launches", "grouped_qmatmul", "grouped_qmatmul_fused",
-           "grouped_qmatmul_multi", "grouped_qmatmul_reference", "indexer_scores", "indexer_scores_reference",
-           "kernel_impl", "offsets_fit", "use_pallas"]
+           "grouped_qmatmul_multi", "grouped_qmatmul_reference", "hc_mix_sums", "hc_mix_sums_reference",
+           "indexer_scores", "indexer_scores_reference", "kernel_impl", "offsets_fit", "use_pallas"]
 
 # GPUs the Triton kernels were measured on (compute capability >= 9.0: Hopper, H200 in
 # docs/performance.md runs 5-7); elsewhere "auto" keeps the XLA paths

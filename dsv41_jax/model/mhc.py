@@ -1,6 +1,7 @@
 """Manifold-constrained hyper-connections: coefficients (fp32 Sinkhorn), collapse and expansion."""
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -9,6 +10,8 @@ import jax.numpy as jnp
 from dsv41_jax.model.layers import einsum
 
 F32 = jnp.float32
+# tokens from which the mixes run through the one-pass kernel (one token block of kernels.mhc_mix)
+MIX_KERNEL_MIN_TOKENS = 64
 
 
 def sinkhorn_kernel_impl():
@@ -32,6 +35,23 @@ def sinkhorn_kernel_impl():
     return None
 
 
+def mix_kernel_impl():
+    """``DSV41_MHC_KERNEL`` (read at trace time): ``1`` (default): the one-pass kernel
+    (``kernels.mhc_mix``) where ``kernels.use_pallas()`` holds and no mesh partitioner would
+    have to gather its operands (``kernels.auto_split``), else XLA; ``0``: always XLA (A/B
+    runs); ``interpret``: the kernel in the Pallas interpreter on any backend (tests). Returns
+    the kernel ``impl``, or None for the XLA formulation. ``hc_mixes`` applies it to bf16
+    streams of at least ``MIX_KERNEL_MIN_TOKENS`` tokens."""
+    mode = os.environ.get("DSV41_MHC_KERNEL", "1")
+    if mode not in ("0", "1", "interpret"):
+        raise ValueError(f"DSV41_MHC_KERNEL={mode!r}: use 1 (the kernel where it applies, the default), 0 or interpret")
+    if mode == "interpret":
+        return "interpret"
+    from dsv41_jax.kernels import auto_split, use_pallas
+
+    return "triton" if mode == "1" and use_pallas() and not auto_split() else None
+
+
 def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, hc_eps: float):
     """h: [..., n, D] stream -> (pre [..., n], post [..., n], comb [..., n, n]), all fp32.
 
@@ -40,9 +60,19 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
     runs as one Pallas kernel (``DSV41_SINKHORN``, see :func:`sinkhorn_kernel_impl`).
     """
     n = hc_mult
-    x = h.reshape(*h.shape[:-2], -1).astype(F32)
-    rs = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
-    m = einsum("...i,oi->...o", x, fn.astype(F32), preferred_element_type=F32) * rs
+    impl = mix_kernel_impl()
+    T = math.prod(h.shape[:-2])
+    if impl is None or T < MIX_KERNEL_MIN_TOKENS or h.dtype != jnp.bfloat16:
+        x = h.reshape(*h.shape[:-2], -1).astype(F32)
+        rs = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
+        m = einsum("...i,oi->...o", x, fn.astype(F32), preferred_element_type=F32) * rs
+    else:  # one pass over the stored stream (kernels.mhc_mix): the same sums in another order
+        from dsv41_jax.kernels.mhc_mix import hc_mix_sums
+
+        K = h.shape[-2] * h.shape[-1]
+        mix, ss = hc_mix_sums(h.reshape(-1, K), fn, impl=impl, bt=128 if T >= 128 else MIX_KERNEL_MIN_TOKENS)
+        rs = jax.lax.rsqrt(ss / K + norm_eps)
+        m = (mix * rs[:, None]).reshape(*h.shape[:-2], -1)
     scale, base = scale.astype(F32), base.astype(F32)
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])

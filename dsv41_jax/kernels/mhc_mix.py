@@ -1,0 +1,182 @@
+"""The mHC mixing logits and the stream's RMS statistic in one pass over the stream.
+
+``hc_mix_sums(x, fn)`` returns, for ``x [T, K]`` (the hyper-connection stream of each token
+flattened to ``K = n * D`` values, any float dtype) and ``fn [O, K]`` fp32::
+
+    mix[t, o] = sum_k float32(x[t, k]) * fn[o, k]          (fp32 products and sums)
+    ss[t]     = sum_k float32(x[t, k]) ** 2
+
+from which ``hc_mixes`` forms ``mix * rsqrt(ss / K + eps)``. XLA runs this as three kernels per
+mHC site: a conversion writing the stream in fp32 (4 x 5120 values per token: 671 MB at an 8k
+prefill), a reduction for the statistic and an fp32 GEMM with 24 outputs, each reading it again
+(~0.85 ms per site at 8k, six sites per three layers; docs/performance.md session 11). The kernel
+reads the stored stream once (prefill chunks: at least one block of ``bt`` tokens; a decode
+step's few tokens keep XLA's form, where the kernel's split-K partial sums and the padded weights
+would cost more launches than they save): a program owns ``bt`` tokens and one K range, adds the squares of each ``[bt, bk]`` tile to
+the statistic and multiplies the tile by the ``[O, bk]`` slice of ``fn``. A bf16 stream is
+multiplied on the tensor cores as three bf16 products against ``fn = hi + mid + lo`` (an exact
+split of each fp32 weight into three bf16 values; bf16 x bf16 products are exact in the fp32
+accumulator), so the result is the fp32 product up to summation order. An fp32 dot at full
+precision (FMAs) ran 1.6 ms per site at 8k, slower than XLA (run 20): fp32 streams (the parity
+numerics) use that form in the kernel but ``hc_mixes`` keeps them on XLA.
+
+Output layout: one fp32 array ``[splits, T, OP]`` of partial sums per K range (``OP``: a power
+of two > ``O``), column ``O`` holding the statistic; XLA adds the ranges. Split-K keeps enough
+programs in flight when there are few token blocks.
+
+Implementations (``impl``): ``"triton"`` (GPU), ``"interpret"`` (the Pallas interpreter; CPU
+tests), ``"xla"`` (:func:`hc_mix_sums_reference`), ``"auto"`` (``kernel_impl``). Only the fp32
+summation order differs between them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dsv41_jax.kernels.qmatmul import _load_or, _store, kernel_impl, offsets_fit
+
+F32 = jnp.float32
+# programs to aim for (two per SM of a 132-SM H200): fewer tokens get more K ranges
+TARGET_PROGRAMS = 2 * 132
+
+
+@dataclasses.dataclass(frozen=True)
+class MixConfig:
+    """``bt`` tokens x ``bk`` inputs per step (powers of two >= 16); ``splits`` K ranges (0:
+    chosen from the token count, see :func:`choose_splits`). Defaults: the fastest of nine
+    tilings at 8k tokens on the H200 (``sweep_prefill.py --part mhc``, run 20: 0.173 ms per site
+    against 0.22 ms for 64 x 128 tiles and 0.72 ms for XLA); ``hc_mixes`` passes ``bt`` 64 for
+    chunks of fewer than 128 tokens."""
+    bt: int = 128
+    bk: int = 64
+    splits: int = 0
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+def hc_mix_sums_reference(x, fn):
+    """``(mix [T, O], ss [T])`` fp32 in XLA: the formulation ``hc_mixes`` used before the kernel."""
+    xf = x.astype(F32)
+    mix = jnp.einsum("tk,ok->to", xf, fn.astype(F32), precision=lax.Precision.HIGHEST, preferred_element_type=F32)
+    return mix, jnp.sum(xf * xf, axis=-1)
+
+
+def out_width(O: int) -> int:
+    """Columns of the kernel's output: a power of two >= 16 with room for the statistic."""
+    p = 16
+    while p <= O:
+        p *= 2
+    return p
+
+
+def choose_splits(T: int, K: int, bt: int, bk: int, target: int = TARGET_PROGRAMS) -> int:
+    """The largest number of equal K ranges (whole ``bk`` steps) with at most ``target``
+    programs in all; at least 1."""
+    steps = K // bk
+    blocks = -(-T // bt)
+    best = 1
+    for d in range(1, steps + 1):
+        if steps % d == 0 and blocks * d <= target:
+            best = d
+    return best
+
+
+def _split3(w):
+    """fp32 ``w`` as three bf16 arrays whose sum is ``w`` exactly (each rounding to nearest
+    leaves a remainder of at most 16, then 8 significant bits; fp32 and bf16 share the exponent
+    range, so nothing underflows but remainders below bf16's smallest normal, ~1e-38; weights
+    above bf16's largest finite value, 3.39e38, would round to infinity)."""
+    hi = w.astype(jnp.bfloat16)
+    r = w - hi.astype(F32)
+    mid = r.astype(jnp.bfloat16)
+    lo = (r - mid.astype(F32)).astype(jnp.bfloat16)
+    return hi, mid, lo
+
+
+def _kernel(x_ref, f_ref, o_ref, *, cfg: MixConfig, T: int, O: int, OP: int, kr: int):
+    from jax.experimental import pallas as pl
+
+    bt, bk = cfg.bt, cfg.bk
+    i, ks = pl.program_id(0), pl.program_id(1)
+    t0, kbase = i * bt, ks * kr
+    rmask = (t0 + lax.broadcasted_iota(jnp.int32, (bt, 1), 0)) < T
+    fmask = lax.broadcasted_iota(jnp.int32, (OP, 1), 0) < O
+    dims = (((1,), (1,)), ((), ()))
+
+    split = x_ref.dtype == jnp.bfloat16
+
+    def step(kk, carry):
+        acc, ss = carry
+        k0 = pl.multiple_of(kbase + kk * bk, bk)
+        xt = _load_or(x_ref.at[pl.ds(t0, bt), pl.ds(k0, bk)], rmask)                   # [bt, bk]
+        w = _load_or(f_ref.at[pl.ds(0, OP), pl.ds(k0, bk)], fmask)                     # [OP, bk] fp32
+        if split:  # bf16 stream: three bf16 MMAs against the exact split w = hi + mid + lo
+            d = None
+            for part in reversed(_split3(w)):  # smallest first
+                p = lax.dot_general(xt, part, dims, preferred_element_type=F32)
+                d = p if d is None else d + p
+            # the step's sum joins the running sum in an fp32 add of its own: added to the dot
+            # directly, Triton makes the running sum the MMA's accumulator, whose additions on
+            # Hopper do not round to nearest (run 20: 2.8e-5 relative error over 20480 inputs)
+            acc = acc + d
+        else:
+            acc = acc + lax.dot_general(xt.astype(F32), w, dims, precision=lax.Precision.HIGHEST,
+                                        preferred_element_type=F32)
+        xf = xt.astype(F32)
+        return acc, ss + jnp.sum(xf * xf, axis=1, keepdims=True)
+
+    acc, ss = lax.fori_loop(0, kr // bk, step, (jnp.zeros((bt, OP), F32), jnp.zeros((bt, 1), F32)))
+    col = lax.broadcasted_iota(jnp.int32, (1, OP), 1)
+    _store(o_ref.at[pl.ds(ks, 1), pl.ds(t0, bt), :], jnp.where(col == O, ss, acc)[None], rmask[None])
+
+
+def _pallas(x, fn, cfg: MixConfig, interpret: bool):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    T, K = x.shape
+    O = fn.shape[0]
+    OP = out_width(O)
+    splits = cfg.splits or choose_splits(T, K, cfg.bt, cfg.bk)
+    kr = K // splits
+    grid = (pl.cdiv(T, cfg.bt), splits)
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                                                       num_stages=cfg.num_stages))
+    cost = pl.CostEstimate(flops=2 * T * K * (O + 1), transcendentals=0,
+                           bytes_accessed=x.nbytes + fn.nbytes * grid[0] + splits * T * OP * 4)
+    # Pallas clamps a slice longer than its axis to the axis, so the kernel's [OP, bk] tiles need
+    # OP rows of weights (zeros: 2.6 MB for V4.1-Flash, next to the stream's 335 MB at 8k tokens)
+    fn = jnp.pad(fn, ((0, OP - O), (0, 0)))
+    parts = pl.pallas_call(functools.partial(_kernel, cfg=cfg, T=T, O=O, OP=OP, kr=kr),
+                           out_shape=jax.ShapeDtypeStruct((splits, T, OP), F32), grid=grid,
+                           interpret=interpret, cost_estimate=cost, name="hc_mix_sums", **kw)(x, fn)
+    tot = jnp.sum(parts, axis=0)
+    return tot[:, :O], tot[:, O]
+
+
+def hc_mix_sums(x, fn, *, impl: str = "auto", **tiles):
+    """``(mix [T, O], ss [T])`` fp32 for ``x [T, K]`` and ``fn [O, K]`` (module docstring).
+    ``tiles``: ``MixConfig`` fields; ``K`` must be a multiple of ``bk`` on the kernel paths."""
+    if x.ndim != 2 or fn.ndim != 2 or fn.shape[1] != x.shape[1]:
+        raise ValueError(f"hc_mix_sums: stream {x.shape} and weights {fn.shape} (expected [T, K] and [O, K])")
+    fn = fn.astype(F32)
+    impl = kernel_impl(impl)
+    cfg = MixConfig(**tiles)
+    for name in ("bt", "bk"):
+        v = getattr(cfg, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"hc_mix_sums: {name}={v} must be a power of two >= 16")
+    T, K = x.shape
+    if impl == "triton" and (K % cfg.bk or not offsets_fit(x.shape, x.dtype)):
+        impl = "xla"  # a K with no whole steps, or an operand the Triton lowering would misaddress
+    if T < cfg.bt and impl != "xla":
+        raise ValueError(f"hc_mix_sums: {T} tokens, fewer than one token block of {cfg.bt} (use the XLA form)")
+    if impl == "xla" or T == 0:
+        return hc_mix_sums_reference(x, fn)
+    if K % cfg.bk or (cfg.splits and (K // cfg.bk) % cfg.splits):
+        raise ValueError(f"hc_mix_sums: K={K} is not {cfg.splits or 'some number of'} ranges of whole {cfg.bk}-input steps")
+    return _pallas(x, fn, cfg, interpret=impl == "interpret")
