@@ -123,6 +123,24 @@ def test_roundtrip_fp8_exact(tiny):
     assert p["vision.blocks.0.attn.wqkv.weight"]["group"] == "vision" and p["image_start"]["group"] == "vision"
 
 
+def test_load_places_both_formats_alike(tiny):
+    """``dsv41_jax.load`` commits an original-format checkpoint's weights to the device as the
+    Orbax restore does: jit sees the same argument placements, so both formats compile the same
+    programs and share persistent-cache entries (before session 11 the original format's
+    uncommitted weights made different programs: the CLI's second generate compiled again)."""
+    from flax import nnx
+
+    import dsv41_jax
+
+    placed = []
+    for path in (tiny["fp8"], tiny["out"]):
+        m = dsv41_jax.load(path, dtype="float32", numerics="fast", tokenizer=False).model
+        placed.append([(p, v.get_value().committed, v.get_value().sharding)
+                       for p, v in nnx.to_flat_state(nnx.state(m, nnx.Param))])
+    assert placed[0] == placed[1]
+    assert all(committed for _, committed, _ in placed[0])
+
+
 def test_roundtrip_bf16_exact(tiny):
     out = str(tiny["base"] / "out_bf16")
     rep = _convert(tiny["bf16"], out)

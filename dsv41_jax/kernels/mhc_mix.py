@@ -9,11 +9,12 @@ flattened to ``K = n * D`` values, any float dtype) and ``fn [O, K]`` fp32::
 from which ``hc_mixes`` forms ``mix * rsqrt(ss / K + eps)``. XLA runs this as three kernels per
 mHC site: a conversion writing the stream in fp32 (4 x 5120 values per token: 671 MB at an 8k
 prefill), a reduction for the statistic and an fp32 GEMM with 24 outputs, each reading it again
-(~0.85 ms per site at 8k, six sites per three layers; docs/performance.md session 11). The kernel
-reads the stored stream once (prefill chunks: at least one block of ``bt`` tokens; a decode
-step's few tokens keep XLA's form, where the kernel's split-K partial sums and the padded weights
-would cost more launches than they save): a program owns ``bt`` tokens and one K range, adds the squares of each ``[bt, bk]`` tile to
-the statistic and multiplies the tile by the ``[O, bk]`` slice of ``fn``. A bf16 stream is
+(0.72-0.85 ms per site at 8k, six sites per three layers; docs/performance.md session 11). The
+kernel reads the stored stream once (prefill chunks: at least one block of ``bt`` tokens; a
+decode step's few tokens keep XLA's form, where the kernel's split-K partial sums and the padded
+weights would cost more launches than they save): a program owns ``bt`` tokens and one K range,
+adds the squares of each ``[bt, bk]`` tile to the statistic and multiplies the tile by the
+``[O, bk]`` slice of ``fn``. A bf16 stream is
 multiplied on the tensor cores as three bf16 products against ``fn = hi + mid + lo`` (an exact
 split of each fp32 weight into three bf16 values; bf16 x bf16 products are exact in the fp32
 accumulator), so the result is the fp32 product up to summation order. An fp32 dot at full
@@ -48,8 +49,8 @@ TARGET_PROGRAMS = 2 * 132
 class MixConfig:
     """``bt`` tokens x ``bk`` inputs per step (powers of two >= 16); ``splits`` K ranges (0:
     chosen from the token count, see :func:`choose_splits`). Defaults: the fastest of nine
-    tilings at 8k tokens on the H200 (``sweep_prefill.py --part mhc``, run 20: 0.173 ms per site
-    against 0.22 ms for 64 x 128 tiles and 0.72 ms for XLA); ``hc_mixes`` passes ``bt`` 64 for
+    tilings at 8k tokens on the H200 (``sweep_prefill.py --part mhc``, run 20: 0.199 ms per site
+    against 0.225 ms for 64 x 128 tiles and 0.72 ms for XLA); ``hc_mixes`` passes ``bt`` 64 for
     chunks of fewer than 128 tokens."""
     bt: int = 128
     bk: int = 64
@@ -106,7 +107,6 @@ def _kernel(x_ref, f_ref, o_ref, *, cfg: MixConfig, T: int, O: int, OP: int, kr:
     rmask = (t0 + lax.broadcasted_iota(jnp.int32, (bt, 1), 0)) < T
     fmask = lax.broadcasted_iota(jnp.int32, (OP, 1), 0) < O
     dims = (((1,), (1,)), ((), ()))
-
     split = x_ref.dtype == jnp.bfloat16
 
     def step(kk, carry):
@@ -173,10 +173,10 @@ def hc_mix_sums(x, fn, *, impl: str = "auto", **tiles):
     T, K = x.shape
     if impl == "triton" and (K % cfg.bk or not offsets_fit(x.shape, x.dtype)):
         impl = "xla"  # a K with no whole steps, or an operand the Triton lowering would misaddress
-    if T < cfg.bt and impl != "xla":
-        raise ValueError(f"hc_mix_sums: {T} tokens, fewer than one token block of {cfg.bt} (use the XLA form)")
     if impl == "xla" or T == 0:
         return hc_mix_sums_reference(x, fn)
+    if T < cfg.bt:
+        raise ValueError(f"hc_mix_sums: {T} tokens, fewer than one token block of {cfg.bt} (use the XLA form)")
     if K % cfg.bk or (cfg.splits and (K // cfg.bk) % cfg.splits):
         raise ValueError(f"hc_mix_sums: K={K} is not {cfg.splits or 'some number of'} ranges of whole {cfg.bk}-input steps")
     return _pallas(x, fn, cfg, interpret=impl == "interpret")
