@@ -14,12 +14,12 @@ kernel reads the stored stream once (prefill chunks: at least one block of ``bt`
 decode step's few tokens keep XLA's form, where the kernel's split-K partial sums and the padded
 weights would cost more launches than they save): a program owns ``bt`` tokens and one K range,
 adds the squares of each ``[bt, bk]`` tile to the statistic and multiplies the tile by the
-``[O, bk]`` slice of ``fn``. A bf16 stream is
-multiplied on the tensor cores as three bf16 products against ``fn = hi + mid + lo`` (an exact
-split of each fp32 weight into three bf16 values; bf16 x bf16 products are exact in the fp32
-accumulator), so the result is the fp32 product up to summation order. An fp32 dot at full
-precision (FMAs) ran 1.6 ms per site at 8k, slower than XLA (run 20): fp32 streams (the parity
-numerics) use that form in the kernel but ``hc_mixes`` keeps them on XLA.
+``[O, bk]`` slice of ``fn``. A bf16 stream is multiplied on the tensor cores as three bf16
+products against ``fn = hi + mid + lo`` (an exact split of each fp32 weight into three bf16
+values; bf16 x bf16 products are exact in the fp32 accumulator), so the result is the fp32
+product up to summation order. An fp32 dot at full precision (FMAs) ran 1.6 ms per site at 8k,
+slower than XLA (run 20): fp32 streams (the parity numerics) use that form in the kernel but
+``hc_mixes`` keeps them on XLA.
 
 Output layout: one fp32 array ``[splits, T, OP]`` of partial sums per K range (``OP``: a power
 of two > ``O``), column ``O`` holding the statistic; XLA adds the ranges. Split-K keeps enough
@@ -43,16 +43,18 @@ from dsv41_jax.kernels.qmatmul import _load_or, _store, kernel_impl, offsets_fit
 F32 = jnp.float32
 # programs to aim for (two per SM of a 132-SM H200): fewer tokens get more K ranges
 TARGET_PROGRAMS = 2 * 132
+# the token block for chunks below 128 tokens, and the fewest tokens the kernel takes
+MIN_BLOCK = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class MixConfig:
-    """``bt`` tokens x ``bk`` inputs per step (powers of two >= 16); ``splits`` K ranges (0:
-    chosen from the token count, see :func:`choose_splits`). Defaults: the fastest of nine
-    tilings at 8k tokens on the H200 (``sweep_prefill.py --part mhc``, run 20: 0.199 ms per site
-    against 0.225 ms for 64 x 128 tiles and 0.72 ms for XLA); ``hc_mixes`` passes ``bt`` 64 for
-    chunks of fewer than 128 tokens."""
-    bt: int = 128
+    """``bt`` tokens x ``bk`` inputs per step (powers of two >= 16; ``bt`` 0: 128, or
+    ``MIN_BLOCK`` for chunks of fewer than 128 tokens); ``splits`` K ranges (0: chosen from the
+    token count, see :func:`choose_splits`). Defaults: the fastest of nine tilings at 8k tokens
+    on the H200 (``sweep_prefill.py --part mhc``, run 20: 0.199 ms per site against 0.225 ms for
+    64 x 128 tiles and 0.72 ms for XLA)."""
+    bt: int = 0
     bk: int = 64
     splits: int = 0
     num_warps: int = 8
@@ -165,12 +167,14 @@ def hc_mix_sums(x, fn, *, impl: str = "auto", **tiles):
         raise ValueError(f"hc_mix_sums: stream {x.shape} and weights {fn.shape} (expected [T, K] and [O, K])")
     fn = fn.astype(F32)
     impl = kernel_impl(impl)
+    T, K = x.shape
     cfg = MixConfig(**tiles)
+    if not cfg.bt:
+        cfg = dataclasses.replace(cfg, bt=128 if T >= 128 else MIN_BLOCK)
     for name in ("bt", "bk"):
         v = getattr(cfg, name)
         if v < 16 or v & (v - 1):
             raise ValueError(f"hc_mix_sums: {name}={v} must be a power of two >= 16")
-    T, K = x.shape
     if impl == "triton" and (K % cfg.bk or not offsets_fit(x.shape, x.dtype)):
         impl = "xla"  # a K with no whole steps, or an operand the Triton lowering would misaddress
     if impl == "xla" or T == 0:

@@ -10,8 +10,6 @@ import jax.numpy as jnp
 from dsv41_jax.model.layers import einsum
 
 F32 = jnp.float32
-# tokens from which the mixes run through the one-pass kernel (one token block of kernels.mhc_mix)
-MIX_KERNEL_MIN_TOKENS = 64
 
 
 def sinkhorn_kernel_impl():
@@ -41,7 +39,7 @@ def mix_kernel_impl():
     have to gather its operands (``kernels.auto_split``), else XLA; ``0``: always XLA (A/B
     runs); ``interpret``: the kernel in the Pallas interpreter on any backend (tests). Returns
     the kernel ``impl``, or None for the XLA formulation. ``hc_mixes`` applies it to bf16
-    streams of at least ``MIX_KERNEL_MIN_TOKENS`` tokens."""
+    streams of at least one token block (``kernels.mhc_mix.MIN_BLOCK`` tokens)."""
     mode = os.environ.get("DSV41_MHC_KERNEL", "1")
     if mode not in ("0", "1", "interpret"):
         raise ValueError(f"DSV41_MHC_KERNEL={mode!r}: use 1 (the kernel where it applies, the default), 0 or interpret")
@@ -60,17 +58,16 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
     runs as one Pallas kernel (``DSV41_SINKHORN``, see :func:`sinkhorn_kernel_impl`).
     """
     n = hc_mult
+    from dsv41_jax.kernels.mhc_mix import MIN_BLOCK, hc_mix_sums
+
     impl = mix_kernel_impl()
-    T = math.prod(h.shape[:-2])
-    if impl is None or T < MIX_KERNEL_MIN_TOKENS or h.dtype != jnp.bfloat16:
+    if impl is None or math.prod(h.shape[:-2]) < MIN_BLOCK or h.dtype != jnp.bfloat16:
         x = h.reshape(*h.shape[:-2], -1).astype(F32)
         rs = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
         m = einsum("...i,oi->...o", x, fn.astype(F32), preferred_element_type=F32) * rs
     else:  # one pass over the stored stream (kernels.mhc_mix): the same sums in another order
-        from dsv41_jax.kernels.mhc_mix import hc_mix_sums
-
         K = h.shape[-2] * h.shape[-1]
-        mix, ss = hc_mix_sums(h.reshape(-1, K), fn, impl=impl, bt=128 if T >= 128 else MIX_KERNEL_MIN_TOKENS)
+        mix, ss = hc_mix_sums(h.reshape(-1, K), fn, impl=impl)
         rs = jax.lax.rsqrt(ss / K + norm_eps)
         m = (mix * rs[:, None]).reshape(*h.shape[:-2], -1)
     scale, base = scale.astype(F32), base.astype(F32)
