@@ -11,6 +11,12 @@ the fused w1 + w3 launch and the w2 launch, per block size and tile; FLOPs count
 (padding rows are waste). Block sizes that are not powers of two run as two row tiles
 (``Config.tail``, e.g. 160 = 128 + 32).
 
+``--part moedq``: what the routed prefill kernel's dequantization costs (8k tokens, 160-row
+blocks): the same launches on int8 codes with their ue8m0 scales (the model), on int8 codes
+without scales (conversion only) and on bf16 weights (no conversion: the kernel's own bound),
+each over a few tilings (bf16-arithmetic dequantization, 256-wide weight tiles on 8 warps, other
+K steps and stage counts). Outputs of the scaled rows are compared with the default tiling's.
+
 ``--part mhc``: one mHC site's mixing sums of an 8k chunk (4 x 5120 bf16 stream, 24 outputs):
 XLA's three kernels against ``kernels.hc_mix_sums`` over its tiles.
 
@@ -124,6 +130,54 @@ def part_moe(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304):
             emit(part="moe", tokens=T, chunk=c, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
+# (weights, tiles): int8 + scales (the model), int8 codes alone, bf16 weights
+MOEDQ_VARIANTS = (("int8", {}), ("int8", dict(lowp_dequant=True)), ("int8", dict(bo=256, num_warps=8)),
+                  ("int8", dict(bo=64)), ("int8", dict(bk=128)), ("int8", dict(bk=32)), ("int8", dict(num_stages=4)),
+                  ("codes", {}), ("codes", dict(bo=256, num_warps=8)), ("bf16", {}), ("bf16", dict(bo=256, num_warps=8)),
+                  ("bf16", dict(bk=128)), ("bf16", dict(num_stages=4)))
+
+
+def part_moedq(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304):
+    from dsv41_jax.model.moe import MoE
+
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    q = {"int8": (bq.make_int8(k1, E, Ii, D), bq.make_int8(k2, E, Ii, D), bq.make_int8(k3, E, D, Ii))}
+    q["codes"] = tuple((cw, None) for cw, _ in q["int8"])
+    flops = 2.0 * T * k * 3 * Ii * D
+    ids = jax.random.randint(k4, (T, k), 0, E, dtype=jnp.int32)
+    _, _, NC, blocks, n_used = MoE._blocks(types.SimpleNamespace(n_experts=E), ids, c)
+    x = jax.random.normal(k1, (NC * c, D), jnp.float32).astype(BF16)
+    h = jax.random.normal(k2, (NC * c, Ii), jnp.float32).astype(BF16)
+    want = None
+    for kind, tiles in MOEDQ_VARIANTS:
+        if kind == "bf16" and "bf16" not in q:
+            q.pop("codes", None)  # room for the bf16 copies (3 x 9 GB)
+            q["bf16"] = tuple((Q.dequantize(cw, sw, BF16), None) for cw, sw in q["int8"])
+        w1, w3, w2 = q[kind]
+        try:
+            def launches(x, h, blocks, n_used, w1, w3, w2, tiles=tiles):
+                g, u = Q.grouped_qmatmul_fused(x, blocks, n_used, [w1, w3], bm=c, out_dtype=BF16, impl=IMPL, **tiles)
+                (y,) = Q.grouped_qmatmul_fused(h + g[:, :1] * 0, blocks, n_used, [w2], bm=c, out_dtype=BF16,
+                                               impl=IMPL, **tiles)
+                return u, y
+
+            def fn(i, s, x, h, blocks, n_used, w1, w3, w2):
+                u, y = launches(x + s.astype(BF16), h + s.astype(BF16), blocks, n_used, w1, w3, w2)
+                return jnp.concatenate([u[:, :8], y[:, :8]], axis=1) + jnp.sum(y) * 0
+
+            t, comp = bq.timeit(fn, x, h, blocks, n_used, w1, w3, w2, reps=3)
+            extra = {}
+            if kind == "int8":
+                got = jax.jit(launches)(x, h, blocks, n_used, w1, w3, w2)
+                if want is None:
+                    want = got
+                extra = dict(rel_to_default=max(bq.rel_err(a, b) for a, b in zip(got, want)))
+            emit(part="moedq", tokens=T, chunk=c, weights=kind, tiles=tiles, ms=round(t * 1e3, 3),
+                 TFLOPs=round(flops / t / 1e12, 1), compile_s=round(comp, 1), **extra)
+        except Exception as e:  # noqa: BLE001
+            emit(part="moedq", tokens=T, chunk=c, weights=kind, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
 MHC_TILES = ({}, dict(bt=64, bk=128, num_warps=4), dict(bt=128, bk=128), dict(bt=128, bk=32),
              dict(num_stages=4), dict(num_stages=2), dict(splits=1), dict(splits=4))
 
@@ -160,19 +214,21 @@ def part_mhc(key, S: int = 8192, K: int = 4 * 5120, O: int = 24):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="indexer,moe")
+    ap.add_argument("--part", default="indexer,moe", help="indexer, moe, moedq, mhc (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
     key = jax.random.key(0)
-    parts = {"indexer": part_indexer, "moe": part_moe, "mhc": part_mhc}
+    parts = {"indexer": part_indexer, "moe": part_moe, "moedq": part_moedq, "mhc": part_mhc}
     if a.smoke:
-        global IMPL, INDEXER_TILES, MOE_VARIANTS, MHC_TILES
+        global IMPL, INDEXER_TILES, MOE_VARIANTS, MHC_TILES, MOEDQ_VARIANTS
         IMPL, INDEXER_TILES = "interpret", ({}, dict(bq=16, bt=32))
         MHC_TILES = ({}, dict(bt=16, bk=64))
         MOE_VARIANTS = ((32, 16, {}), (32, 48, dict(bo=32)), (64, 24, {}))
+        MOEDQ_VARIANTS = (("int8", {}), ("int8", dict(lowp_dequant=True)), ("codes", {}), ("bf16", {}))
         parts = {"indexer": lambda k: part_indexer(k, S=64, H=2, hd=32, block=16),
                  "moe": lambda k: part_moe(k, k=2, E=4, D=64, Ii=32),
+                 "moedq": lambda k: part_moedq(k, T=32, c=24, k=2, E=4, D=64, Ii=32),
                  "mhc": lambda k: part_mhc(k, S=160, K=512)}
     for part in a.part.split(","):
         parts[part](key)

@@ -306,22 +306,28 @@ def _run_case(case_dir: str, only: tuple[str, ...], weights: str | None, mesh,
                     check(k, "vision", np.asarray(vis_cap[k], np.float32))
 
     if "prefill" in only:
-        logits, cap = _captured_forward(model, jids, inputs_embeds=embeds, image_mask=jmask,
-                                        engram_hashes=None if eh is None else eh[:, :S])
-        check("prefill_logits", "prefill", np.asarray(logits))
-        for name in sorted(ref):
-            m = re.match(r"^(block_in|pre_mix_in)_L(\d+)$", name)
-            if m and name in cap:
-                check(name, "prefill", np.asarray(cap[name].astype(jnp.float32)))
         if "long_prefill_logits" in ref and n_dec:
+            # One forward over the prompt and the decode tokens serves both logit checks: the model
+            # is causal (attention, compression, indexer, Engram n-grams and routing at a position
+            # see no later token), so its first S positions are the S-token prefill. The S-token
+            # forward runs in the blocks check (teacher-forced) and through the cache in the
+            # decode check.
             lids = jnp.asarray(np.concatenate([ids, dec_ids], 1), jnp.int32)
             lemb, lmask = None, None
             if embeds is not None:
                 tail = model.embed(jnp.asarray(dec_ids, jnp.int32), case.numerics.dtype)
                 lemb = jnp.concatenate([embeds, tail], 1)
                 lmask = jnp.concatenate([jmask, jnp.zeros((B, n_dec), bool)], 1)
-            llog, _ = _captured_forward(model, lids, inputs_embeds=lemb, image_mask=lmask, engram_hashes=eh)
+            llog, cap = _captured_forward(model, lids, inputs_embeds=lemb, image_mask=lmask, engram_hashes=eh)
             check("long_prefill_logits", "prefill", np.asarray(llog))
+            logits, cap = llog[:, :S], {k: v[:, :S] for k, v in cap.items() if PREFILL_ARRAYS.match(k)}
+        else:
+            logits, cap = _captured_forward(model, jids, inputs_embeds=embeds, image_mask=jmask,
+                                            engram_hashes=None if eh is None else eh[:, :S])
+        check("prefill_logits", "prefill", np.asarray(logits))
+        for name in sorted(ref):
+            if PREFILL_ARRAYS.match(name) and name in cap:
+                check(name, "prefill", np.asarray(cap[name].astype(jnp.float32)))
 
     if "blocks" in only:
         L = cfg.text.num_hidden_layers
@@ -353,6 +359,9 @@ def _run_case(case_dir: str, only: tuple[str, ...], weights: str | None, mesh,
             cache = shard_cache(cache, mesh)
         # the decode path hashes Engram n-grams on device from the cache's history
         logits, cache = prefill_fn(model, jids, cache, inputs_embeds=embeds, image_mask=jmask)
+        if "prefill_logits" in ref and "prefill_logits" in tol:  # the S-token prefill through the cache path
+            ok, detail = compare("prefill_logits", np.asarray(logits), ref["prefill_logits"], tol["prefill_logits"])
+            results.append(Result("prefill_logits_cached", "decode", ok, detail))
         outs = []
         for k in range(n_dec):
             tok = jnp.asarray(dec_ids[:, k:k + 1], jnp.int32)

@@ -473,7 +473,9 @@ def test_kernel_route_row_limit(monkeypatch):
     assert not calls
     monkeypatch.setenv("DSV41_FP8_KERNEL_MAX_ROWS", "300")
     got = np.asarray(lin(x, out_dtype=jnp.float32))
-    assert calls and not np.array_equal(got, want)  # the kernel ran: a different fp32 summation order
+    # the kernel ran (``calls``); whether its fp32 summation order gives other bits than XLA's
+    # depends on the jax version (equal on jax 0.10.2's CPU backend), so closeness is what is asserted
+    assert calls
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     monkeypatch.setenv("DSV41_FP8_KERNEL_MAX_ROWS", "many")
     with pytest.raises(ValueError, match="DSV41_FP8_KERNEL_MAX_ROWS"):
