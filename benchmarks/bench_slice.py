@@ -84,12 +84,14 @@ def variant(tag: str, env: dict | None = None):
     saved = {k: os.environ.get(k) for k in env}
     old, TAG = TAG, tag
     os.environ.update(env)
+    jax.clear_caches()  # module-level jitted helpers (quant.fq_fp8, ...) would replay their old traces
     try:
         yield
     finally:
         TAG = old
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        jax.clear_caches()
 
 
 def bench(fn, *args, warmup=2, iters=5, times=None):
