@@ -35,7 +35,6 @@ write test checkpoints.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Sequence
 
 import jax
@@ -247,37 +246,12 @@ def _div_by_e4m3(x, s, xp):
 # fake-quant operators (jnp, jit-able) and their numpy twins
 # ----------------------------------------------------------------------------------------------
 
-# Up to this many values (a decode step's activations), the per-block amax of the jnp fake-quant
-# operators is a halving tree of elementwise maxima over slices instead of a reduction: XLA then
-# fuses the whole quantization into the neighbouring elementwise kernel (its producer's epilogue
-# or its consumer), where a reduction is a kernel of its own (~1.5 us each, 28 per batch-1 decode
-# step of the three-layer slice; docs/performance.md session 12). A maximum is exact in any
-# order, so both forms give the same bits. Longer inputs (prefill) keep the reduction, where a
-# fused tree would re-read each block once per element.
-TREE_AMAX_MAX_VALUES = 1 << 19
-
-
-def block_amax(a, xp=jnp):
-    """max over the last axis (kept, size 1) of ``a [..., block]``: a reduction, or for jnp
-    inputs of at most ``TREE_AMAX_MAX_VALUES`` values whose block is a power of two, the same
-    maxima as a tree of elementwise ``maximum`` over halves (``DSV41_TREE_AMAX=0``: always the
-    reduction)."""
-    w = a.shape[-1]
-    off = os.environ.get("DSV41_TREE_AMAX", "1") == "0"  # read at trace time: A/B runs
-    if xp is np or off or w & (w - 1) or a.size > TREE_AMAX_MAX_VALUES:
-        return xp.max(a, axis=-1, keepdims=True)
-    while w > 1:
-        w //= 2
-        a = jnp.maximum(a[..., :w], a[..., w:2 * w])
-    return a
-
-
 def _fq_blocks(x, block: int, kind: str, xp):
     n = x.shape[-1]
     if n % block:
         return x  # shapes the reference cannot block (tiny configs) pass through unquantized
     xb = xp.asarray(x).astype(xp.float32).reshape(*x.shape[:-1], n // block, block)
-    amax = block_amax(xp.abs(xb), xp)
+    amax = xp.max(xp.abs(xb), axis=-1, keepdims=True)
     if kind == "fp4_e4":
         amax = xp.maximum(amax, xp.float32(FP4_E4_AMAX_FLOOR))
         s = e4m3_rne(_div6(amax, xp), xp)

@@ -318,37 +318,6 @@ def test_fake_quant_matches_torch_reference(kind, fq, fq_np, block):
 
 
 @pytest.mark.parametrize("kind,fq,fq_np,block", FQ)
-def test_fake_quant_tree_amax_equals_the_reduction(kind, fq, fq_np, block, monkeypatch):
-    # decode-sized inputs: the block amax is a tree of elementwise maxima (no reduce op left in
-    # the program, so XLA can fuse the quantization into a neighbouring kernel); the same bits as
-    # the reduction (DSV41_TREE_AMAX=0) and as the numpy twin, inf and -0.0 included (NaN inputs
-    # are left out: XLA's CPU max reduction skips a NaN, where jnp.maximum and numpy return it)
-    rng = np.random.default_rng(17)
-    x = _random_inputs(rng, 8 * block)
-    x[2, :block] = -0.0
-    x[3, block] = np.inf
-    x[4, 2 * block + 5] = -np.inf
-    ok = np.abs(np.nan_to_num(x, posinf=1.0, neginf=1.0)).max(-1) >= 2.0**-100  # no FTZ rows
-    x = x[ok]
-    assert x.size <= Q.TREE_AMAX_MAX_VALUES
-    jax.clear_caches()
-    text = jax.jit(lambda v: fq(v, block)).lower(x).as_text()
-    assert "reduce" not in text
-    tree = np.asarray(jax.jit(lambda v: fq(v, block))(x))
-    monkeypatch.setenv("DSV41_TREE_AMAX", "0")
-    jax.clear_caches()
-    assert "reduce" in jax.jit(lambda v: fq(v, block)).lower(x).as_text()
-    red = np.asarray(jax.jit(lambda v: fq(v, block))(x))
-    jax.clear_caches()
-    assert _same_bits(tree, red)
-    assert _same_bits(tree, fq_np(x, block))
-    # a prefill-sized input keeps the reduction
-    big = np.resize(x, (Q.TREE_AMAX_MAX_VALUES // x.shape[1] + 1, x.shape[1]))
-    monkeypatch.delenv("DSV41_TREE_AMAX")
-    assert "reduce" in jax.jit(lambda v: fq(v, block)).lower(big).as_text()
-
-
-@pytest.mark.parametrize("kind,fq,fq_np,block", FQ)
 def test_fake_quant_bf16_inputs(kind, fq, fq_np, block):
     rng = np.random.default_rng(7)
     x32 = _random_inputs(rng, 2 * block)

@@ -13,14 +13,13 @@ Why a kernel: in XLA every one of the ~40 row / column sums of a decode step's f
 becomes its own tiny reduction kernel (~0.2 ms per mHC site on the H200, docs/performance.md
 run 6). The kernel keeps the n*n values of a token in registers for the whole computation.
 
-Layout: the logits are read where they are, flattened to ``[T, n*n]`` tokens. A program owns
-one block of ``bt`` tokens: it loads entry ``k`` of its tokens as a ``[bt, 1]`` column
-(``x_ref[pl.ds(t0, bt), k]``, a strided load masked past ``T``), runs every step as elementwise
-ops on these columns (row and column sums as explicit left-to-right adds, max as ``maximum``; no
-in-register slicing or reductions) and stores the n*n columns into the ``[T, n*n]`` output the
-same way. ``bt`` never exceeds ``T`` (a block of one token for a batch-1 decode step), so no
-operand is padded or transposed: the kernel is the site's only launch (session 12; before, a
-pad + transpose fusion ran ahead of it on every decode step).
+Layout: the logits are flattened to ``[T, n*n]`` tokens, transposed to ``[n*n, T_pad]`` in XLA
+(``T_pad``: ``T`` rounded up to the token block ``bt``, zero padded; pad + transpose are one
+XLA fusion) so that entry ``k`` of ``bt`` consecutive tokens is one contiguous ``[bt]`` vector.
+A program owns one token block: it loads the n*n vectors with ref indexing
+(``x_ref[k, pl.ds(t0, bt)]``), runs every step as elementwise ops on ``[bt]`` vectors (row and
+column sums as explicit left-to-right adds, max as ``maximum``; no in-register slicing or
+reductions) and stores n*n vectors; the result is transposed back in XLA.
 
 Implementations (``impl``): ``"triton"`` (Pallas compiled by Triton; GPU), ``"interpret"`` (the
 same kernel in the Pallas interpreter; CPU tests), ``"xla"`` (:func:`sinkhorn_reference`, the
@@ -42,6 +41,7 @@ import jax.numpy as jnp
 F32 = jnp.float32
 _IMPLS = ("auto", "triton", "interpret", "xla")
 DEFAULT_BLOCK = 256  # tokens per program (upper bound; fewer tokens -> a smaller power of two)
+MIN_BLOCK = 16
 
 
 def _side(nn: int) -> int:
@@ -82,18 +82,13 @@ def _sum(vals):
     return s
 
 
-def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float, bt: int, T: int):
-    """One token block: ``x_ref`` / ``o_ref`` are the whole ``[T, n*n]`` arrays."""
+def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float, bt: int):
+    """One token block: ``x_ref`` / ``o_ref`` are the whole ``[n*n, T_pad]`` arrays."""
     from jax.experimental import pallas as pl
-    from jax import lax
-
-    from dsv41_jax.kernels.qmatmul import _load_or, _store
 
     t0 = pl.multiple_of(pl.program_id(0) * bt, bt)
-    live = (t0 + lax.broadcasted_iota(jnp.int32, (bt, 1), 0)) < T
-    # c[i][j]: entry (row i, column j) of bt tokens, a [bt, 1] fp32 column (tokens past T: zeros)
-    c = [[_load_or(x_ref.at[pl.ds(t0, bt), pl.ds(i * n + j, 1)], live).astype(F32) for j in range(n)]
-         for i in range(n)]
+    # c[i][j]: entry (row i, column j) of bt tokens, a [bt] fp32 vector
+    c = [[x_ref[i * n + j, pl.ds(t0, bt)].astype(F32) for j in range(n)] for i in range(n)]
 
     def rows(c):
         out = []
@@ -126,18 +121,21 @@ def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float, bt: int, T: int):
         c = [list(flat[i * n:(i + 1) * n]) for i in range(n)]
     for i in range(n):
         for j in range(n):
-            _store(o_ref.at[pl.ds(t0, bt), pl.ds(i * n + j, 1)], c[i][j], live)
+            o_ref[i * n + j, pl.ds(t0, bt)] = c[i][j]
+
+
+def _pow2_at_least(v: int) -> int:
+    p = 1
+    while p < v:
+        p *= 2
+    return p
 
 
 def choose_block(tokens: int, block: int = DEFAULT_BLOCK) -> int:
-    """Token block: the largest power of two <= ``tokens`` (Pallas clamps a block longer than its
-    axis, so a block never exceeds the token count), at most ``block``; 1 for no tokens."""
+    """Token block: the smallest power of two >= ``tokens``, clamped to [MIN_BLOCK, ``block``]."""
     if block < 1 or block & (block - 1):
         raise ValueError(f"sinkhorn: block {block} is not a power of two")
-    p = 1
-    while p * 2 <= min(max(tokens, 1), block):
-        p *= 2
-    return p
+    return max(min(_pow2_at_least(max(tokens, 1)), block), min(MIN_BLOCK, block))
 
 
 def _pallas(logits, iters: int, eps: float, *, block: int, interpret: bool, num_warps: int | None):
@@ -151,15 +149,17 @@ def _pallas(logits, iters: int, eps: float, *, block: int, interpret: bool, num_
     if T == 0:
         return jnp.zeros((*lead, n, n), F32)
     bt = choose_block(T, block)
-    kernel = functools.partial(_kernel, n=n, iters=iters, eps=float(eps), bt=bt, T=T)
+    tp = pl.cdiv(T, bt) * bt
+    xt = jnp.pad(x, ((0, tp - T), (0, 0))).T  # [n*n, T_pad]; zero logits are harmless
+    kernel = functools.partial(_kernel, n=n, iters=iters, eps=float(eps), bt=bt)
     per_tok = nn * (3 + 3 * iters) + 2 * n  # adds + divides per token, roughly
-    cost = pl.CostEstimate(flops=T * per_tok, transcendentals=T * nn, bytes_accessed=2 * 4 * T * nn)
+    cost = pl.CostEstimate(flops=tp * per_tok, transcendentals=tp * nn, bytes_accessed=2 * 4 * tp * nn)
     if num_warps is None:
         num_warps = max(1, min(4, bt // 32))
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
-    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((T, nn), F32), grid=(pl.cdiv(T, bt),),
-                         interpret=interpret, cost_estimate=cost, name="mhc_sinkhorn", **kw)(x)
-    return out.reshape(*lead, n, n)
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((nn, tp), F32), grid=(tp // bt,),
+                         interpret=interpret, cost_estimate=cost, name="mhc_sinkhorn", **kw)(xt)
+    return out[:, :T].T.reshape(*lead, n, n)
 
 
 def sinkhorn_impl(impl: str = "auto") -> str:

@@ -84,38 +84,13 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
     return pre, post, c
 
 
-# Up to this many tokens (decode steps), the n-term sums of hc_pre / hc_post are written as n - 1
-# explicit adds (left to right) instead of reductions over the stream axis: XLA then fuses them
-# into a neighbouring elementwise kernel instead of launching a reduction of its own.
-# ``DSV41_HC_UNROLL=0`` (read at trace time) keeps the reductions everywhere.
-UNROLL_MAX_TOKENS = 64
-
-
-def _unrolled(tokens: int) -> bool:
-    return tokens <= UNROLL_MAX_TOKENS and os.environ.get("DSV41_HC_UNROLL", "1") != "0"
-
-
-def _sum_terms(terms):
-    s = terms[0]
-    for t in terms[1:]:
-        s = s + t
-    return s
-
-
 def hc_pre(h, mix):
     """Collapse [..., n, D] with weights [..., n] (fp32 sum), cast to the stream dtype."""
-    if _unrolled(math.prod(h.shape[:-2])):
-        n = h.shape[-2]
-        return _sum_terms([mix[..., j, None].astype(F32) * h[..., j, :].astype(F32) for j in range(n)]).astype(h.dtype)
     return jnp.sum(mix[..., None].astype(F32) * h.astype(F32), axis=-2).astype(h.dtype)
 
 
 def hc_post(y, residual, post, comb):
     """out_k = post_k * y + sum_j comb[j, k] * residual_j, fp32, cast to y.dtype."""
-    if _unrolled(math.prod(residual.shape[:-2])):
-        n = residual.shape[-2]
-        mixed = _sum_terms([comb[..., j, :, None] * residual[..., j, None, :].astype(F32) for j in range(n)])
-    else:
-        mixed = jnp.sum(comb[..., :, :, None] * residual[..., :, None, :].astype(F32), axis=-3)
-    out = post[..., :, None] * y[..., None, :].astype(F32) + mixed
+    out = post[..., :, None] * y[..., None, :].astype(F32) + jnp.sum(
+        comb[..., :, :, None] * residual[..., :, None, :].astype(F32), axis=-3)
     return out.astype(y.dtype)
