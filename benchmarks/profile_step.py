@@ -9,6 +9,7 @@ optimized HLO) go to $OUT so the analysis can be redone off the device::
 
     python3 benchmarks/profile_step.py --targets decode:1,decode:64,prefill:8192 --experts int8 --dense fp8
     python3 benchmarks/profile_step.py --analyze DIR        # re-summarize saved files
+    python3 benchmarks/profile_step.py --analyze DIR --timeline   # one step's kernels in order
 """
 from __future__ import annotations
 
@@ -133,6 +134,25 @@ def summarize(xplane_path: str, hlo_text, steps: int, wall_s: float, top: int = 
         top_kernels=[(k, round(v / steps / 1e3, 2), n_kernel[k] // steps) for k, v in by_kernel.most_common(top)])
 
 
+def timeline(xplane_path: str, hlo_text: str, steps: int, step: int | None = None) -> list[str]:
+    """One step's kernels in launch order: start (us from the step's first kernel), duration
+    (us), the idle gap before it (us), kernel name and source line. ``step``: which of the
+    ``steps`` profiled steps (default: the middle one)."""
+    src = hlo_sources(hlo_text) if hlo_text else {}
+    evs = sorted(kernel_events(xplane_path)[0], key=lambda e: e[2])
+    n = len(evs) // steps
+    step = steps // 2 if step is None else step
+    rows, prev, t0 = [], None, None
+    for name, _, start, dur in evs[n * step: n * (step + 1)]:
+        base, _, num = name.rpartition("_")
+        where = src.get(name) or src.get(f"{base}.{num}") or ""
+        t0 = start if t0 is None else t0
+        gap = 0.0 if prev is None else (start - prev) / 1e3
+        rows.append(f"{(start - t0) / 1e3:9.2f} {dur / 1e3:8.2f} {gap:6.2f}  {name[:44]:44s} {where[:100]}")
+        prev = start + dur
+    return ["    start      dur    gap  kernel                                       source"] + rows
+
+
 def profile(fn, args, steps: int, name: str, out_dir: str | None, hlo_text: str, donate_cache: bool):
     import jax
 
@@ -223,6 +243,8 @@ def main():
     ap.add_argument("--tag", default="")
     ap.add_argument("--save-raw", action="store_true", help="also write the xplane.pb and HLO files to $OUT")
     ap.add_argument("--analyze", default="", help="re-summarize NAME.xplane.pb + NAME.hlo.txt.gz files in DIR")
+    ap.add_argument("--timeline", action="store_true",
+                    help="with --analyze: list one step's kernels in launch order (start, duration, gap, source)")
     a = ap.parse_args()
     if a.analyze:
         for pb in sorted(glob.glob(os.path.join(a.analyze, "*.xplane.pb"))):
@@ -230,6 +252,9 @@ def main():
             hp = os.path.join(a.analyze, name + ".hlo.txt.gz")
             hlo = gzip.open(hp, "rt").read() if os.path.exists(hp) else ""
             steps = 1 if name.startswith("prefill") else a.steps
+            if a.timeline:
+                print(f"# {name}\n" + "\n".join(timeline(pb, hlo, steps)))
+                continue
             print(json.dumps(dict(name=name, **summarize(pb, hlo, steps, 0.0)), indent=1))
         return
     dump_dir = None

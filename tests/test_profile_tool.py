@@ -57,3 +57,24 @@ def test_dumped_sources_read_an_xla_dump(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     src = json.loads(out.stdout.strip().splitlines()[-1])
     assert any(v.startswith("<string>:5") for v in src.values()), src
+
+
+def test_timeline_lists_one_step_in_launch_order(monkeypatch):
+    """``--analyze DIR --timeline``: one step's kernels by start time, with durations, the idle gap
+    before each and the source line of its fusion (``loop_add_fusion_3`` is HLO
+    ``loop_add_fusion.3``); the trace side is replaced by synthetic events (no GPU here)."""
+    tool = _tool()
+    hlo = ('%loop_add_fusion.3 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, calls=%c, '
+           'metadata={op_name="jit(f)/add" source_file="/x/model.py" source_line=12}\n')
+    # two steps of two kernels each, given out of order; times in ns
+    evs = [("loop_add_fusion_3", "", 5000.0, 1000.0), ("gemv", "", 0.0, 3000.0),
+           ("loop_add_fusion_3", "", 25000.0, 2000.0), ("gemv", "", 20000.0, 4000.0)]
+    monkeypatch.setattr(tool, "kernel_events", lambda path: (evs, {}))
+    rows = tool.timeline("unused.xplane.pb", hlo, steps=2, step=1)
+    assert rows[0].split()[:4] == ["start", "dur", "gap", "kernel"]
+    first, second = rows[1].split(), rows[2].split()
+    assert first[:4] == ["0.00", "4.00", "0.00", "gemv"]
+    # starts 5 us after the step's first kernel, 1 us after the GEMV ended, 2 us long
+    assert second[:4] == ["5.00", "2.00", "1.00", "loop_add_fusion_3"]
+    assert "model.py:12 [add]" in rows[2]
+    assert tool.timeline("unused.xplane.pb", hlo, steps=2)[1].split()[1] == "4.00"  # default: the middle step
