@@ -101,6 +101,20 @@ def kernel_events(xplane_path: str):
     return evs, lines
 
 
+def kernel_source(src: dict, name: str, op: str = "") -> str:
+    """The source line of a kernel (``src``: ``hlo_sources``), or "" when unknown. A kernel
+    launched outside a command buffer names its HLO instruction (``op``); inside one it is named
+    after its fusion ("loop_add_fusion_3" is HLO "loop_add_fusion.3"); library kernels (cuBLAS)
+    keep their own names."""
+    if op and not op.startswith("command_buffer"):
+        return src.get(op, op)
+    base, _, num = name.rpartition("_")
+    for cand in (name, f"{base}.{num}" if num.isdigit() else name):
+        if cand in src:
+            return src[cand]
+    return ""
+
+
 def summarize(xplane_path: str, hlo_text, steps: int, wall_s: float, top: int = 40) -> dict:
     """``hlo_text``: the optimized HLO of the profiled executable, or an instruction -> source
     mapping already built (``dumped_sources``)."""
@@ -108,19 +122,8 @@ def summarize(xplane_path: str, hlo_text, steps: int, wall_s: float, top: int = 
     evs, lines = kernel_events(xplane_path)
     by_src, by_kernel = collections.Counter(), collections.Counter()
     n_src, n_kernel = collections.Counter(), collections.Counter()
-    def source(name, op):
-        if op and not op.startswith("command_buffer"):
-            return src.get(op, op)
-        # inside a command buffer: the kernel is named after its fusion ("loop_add_fusion_3" is
-        # HLO "loop_add_fusion.3"); library kernels (cuBLAS) keep their own names
-        base, _, num = name.rpartition("_")
-        for cand in (name, f"{base}.{num}" if num.isdigit() else name):
-            if cand in src:
-                return src[cand]
-        return name[:60]
-
     for name, op, _, dur in evs:
-        key = source(name, op)
+        key = kernel_source(src, name, op) or name[:60]
         by_src[key] += dur
         n_src[key] += 1
         by_kernel[name[:80]] += dur
@@ -143,9 +146,8 @@ def timeline(xplane_path: str, hlo_text: str, steps: int, step: int | None = Non
     n = len(evs) // steps
     step = steps // 2 if step is None else step
     rows, prev, t0 = [], None, None
-    for name, _, start, dur in evs[n * step: n * (step + 1)]:
-        base, _, num = name.rpartition("_")
-        where = src.get(name) or src.get(f"{base}.{num}") or ""
+    for name, op, start, dur in evs[n * step: n * (step + 1)]:
+        where = kernel_source(src, name, op)
         t0 = start if t0 is None else t0
         gap = 0.0 if prev is None else (start - prev) / 1e3
         rows.append(f"{(start - t0) / 1e3:9.2f} {dur / 1e3:8.2f} {gap:6.2f}  {name[:44]:44s} {where[:100]}")
