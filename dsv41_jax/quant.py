@@ -160,18 +160,31 @@ def pow2ceil(t, xp=jnp):
     return _pow2(_pow2ceil_exp(t, xp), xp)
 
 
-def _round_minifloat(v, fmt, xp):
+def rint_even(a):
+    """Round-half-even of fp32 ``0 <= a < 2^23`` to an integer (as fp32) without a rounding op
+    (Pallas' Triton lowering has none): the truncation ``t`` is exact, so is ``a - t``; round up
+    above one half, and at one half when ``t`` is odd. Same values as ``jnp.round`` there. (The
+    ``(a + 2^23) - 2^23`` trick is no good: XLA's simplifier folds it to ``a``.)"""
+    t = a.astype(jnp.int32)
+    f = a - t.astype(jnp.float32)
+    up = (f > 0.5) | ((f == 0.5) & ((t & 1) == 1))
+    return (t + up.astype(jnp.int32)).astype(jnp.float32)
+
+
+def _round_minifloat(v, fmt, xp, rint=None):
     """Round fp32 ``v`` (already clipped into the format's range) to the nearest value of a
     minifloat with ``mbits`` mantissa bits and minimum normal exponent ``emin``, ties to even.
 
     The quantum at |v| is 2^(max(e, emin) - mbits); scaling by its inverse is exact, so
     round-half-even on the scaled value is RNE on the code. The sign (also of zero) is kept.
+    ``rint``: the round-half-even of the scaled magnitude (default ``xp.round``; kernels pass
+    :func:`rint_even`: the scaled magnitudes are below 2^(mbits + 1)).
     """
     mbits, emin = fmt
     a = xp.abs(v)
     e = ((_bits_i32(a, xp) >> 23) & 0xFF) - 127
     k = xp.maximum(e, emin) - mbits
-    r = xp.round(a * _pow2(-k, xp)) * _pow2(k, xp)
+    r = (xp.round if rint is None else rint)(a * _pow2(-k, xp)) * _pow2(k, xp)
     return xp.copysign(r, v)
 
 
@@ -256,17 +269,23 @@ def _fq_blocks(x, block: int, kind: str, xp):
         amax = xp.maximum(amax, xp.float32(FP4_E4_AMAX_FLOOR))
         s = e4m3_rne(_div6(amax, xp), xp)
         q = e2m1_rne(_div_by_e4m3(xb, s, xp), xp)
+        return (q * s).reshape(x.shape).astype(x.dtype)
+    return _fq_pow2_scaled(xb, amax, kind, xp).reshape(x.shape).astype(x.dtype)
+
+
+def _fq_pow2_scaled(xb, amax, kind: str, xp, rint=None):
+    """The power-of-two-scale fake quant (``kind`` "fp8" or "fp4_e8") of fp32 blocks ``xb``
+    [..., block] given each block's ``max(|xb|)`` ``amax`` [..., 1]: dequantized fp32 values.
+    Shared with the fused RMSNorm + act-quant kernel (``kernels.norm_quant``, ``rint``)."""
+    if kind == "fp8":
+        floor, inv, fmt, lim = FP8_AMAX_FLOOR, INV_E4M3_MAX, _E4M3_FMT, E4M3_MAX
     else:
-        if kind == "fp8":
-            floor, inv, fmt, lim = FP8_AMAX_FLOOR, INV_E4M3_MAX, _E4M3_FMT, E4M3_MAX
-        else:
-            floor, inv, fmt, lim = FP4_E8_AMAX_FLOOR, INV_E2M1_MAX, _E2M1_FMT, E2M1_MAX
-        amax = xp.maximum(amax, xp.float32(floor))
-        k = _pow2ceil_exp(amax * xp.float32(inv), xp)
-        s = _pow2(k, xp)
-        # dividing by a power of two == multiplying by its exact inverse
-        q = _round_minifloat(xp.clip(xb * _pow2(-k, xp), -lim, lim), fmt, xp)
-    return (q * s).reshape(x.shape).astype(x.dtype)
+        floor, inv, fmt, lim = FP4_E8_AMAX_FLOOR, INV_E2M1_MAX, _E2M1_FMT, E2M1_MAX
+    amax = xp.maximum(amax, xp.float32(floor))
+    k = _pow2ceil_exp(amax * xp.float32(inv), xp)
+    # dividing by a power of two == multiplying by its exact inverse
+    q = _round_minifloat(xp.clip(xb * _pow2(-k, xp), -lim, lim), fmt, xp, rint)
+    return q * _pow2(k, xp)
 
 
 @functools.partial(jax.jit, static_argnames=("block",))
