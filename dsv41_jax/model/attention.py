@@ -351,22 +351,29 @@ class Attention(nnx.Module):
         wo_a = self.wo_a.values().reshape(G, self.o_rank, -1)  # fp8 storage: dequantized exactly
         return einsum("bsgd,grd->bsgr", o, wo_a.astype(dt), preferred_element_type=F32).astype(dt)
 
+    def wants_xq(self) -> bool:
+        """Whether the input projections take an fp8-quantized input (``Linear``'s ``xq``)."""
+        return self.numerics.fake_quant and (self.wq_a.quantized or self.wkv.quantized)
+
     # ------------------------------------------------------------------ forward
-    def __call__(self, x, pos, valid, cache, ctx, capture=None):
-        """x [B,S,D] (normed), pos [B,S] int32 absolute positions, valid [B,S] bool.
+    def __call__(self, x, pos, valid, cache, ctx, capture=None, xq=None):
+        """x [B,S,D] (normed), pos [B,S] int32 absolute positions, valid [B,S] bool; ``xq``: the
+        fp8 activation quantization of ``x`` if the caller formed it (``RMSNorm.with_quant``).
 
         Returns (out [B,S,D], new layer cache, new ctx)."""
         dt = self.numerics.dtype
         B, S, _ = x.shape
         H, d, W = self.n_heads, self.head_dim, self.window
         freqs = self._freqs()
-        qa, kv = fused_linears(x, (self.wq_a, self.wkv))  # one launch on the decode kernel path
-        qr = self.q_norm(qa)
+        qa, kv = fused_linears(x, (self.wq_a, self.wkv), xq=xq)  # one launch on the decode kernel path
         iq = None  # the indexer's query projection reads qr too: one launch with wq_b where that fuses
-        if self.plan.ratio > 0 and self.plan.owns_indexer and fusable_linears(qr, (self.wq_b, self.indexer.wq_b)):
-            q, iq = fused_linears(qr, (self.wq_b, self.indexer.wq_b))
+        idx_q = self.plan.ratio > 0 and self.plan.owns_indexer
+        qmods = (self.wq_b, self.indexer.wq_b) if idx_q else (self.wq_b,)
+        qr, qrq = self.q_norm.with_quant(qa, self.numerics.fake_quant and any(m.quantized for m in qmods))
+        if idx_q and fusable_linears(qr, qmods):
+            q, iq = fused_linears(qr, qmods, xq=qrq)
         else:
-            q = self.wq_b(qr)
+            q = self.wq_b(qr, xq=qrq)
         q = q.reshape(B, S, H, d)
         q = rope_tail(q, pos[..., None], freqs)
         kv = self.kv_norm(kv)

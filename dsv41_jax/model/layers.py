@@ -203,21 +203,23 @@ class Linear(nnx.Module):
             return fp8_matmul(x, self.weight[...], self.scale[...], od, cd, self.param_dtype)
         return matmul(x, self.weight[...], od, compute_dtype=cd)
 
-    def _prepare(self, x, out_dtype, compute_dtype):
+    def _prepare(self, x, out_dtype, compute_dtype, xq=None):
         """(input, out dtype, compute dtype) of the GEMM: in reference numerics a quantized
-        weight's input goes through the fp8 per-32 fake quantization first."""
+        weight's input goes through the fp8 per-32 fake quantization first (``xq``: that
+        quantization of ``x`` when the caller has it already, e.g. from ``normed``)."""
         od = self.numerics.dtype if out_dtype is None else out_dtype
         if self.quantized and self.numerics.fake_quant:
             from dsv41_jax.quant import act_quant_fp8
 
             # e4m3 x power-of-two values are exact in bf16, so a bf16 weight keeps the bf16 GEMM
             # (fp32 accumulation) with the same products as the reference's fp32 block GEMM
-            x = act_quant_fp8(x.astype(F32), 32).astype(self.param_dtype if self.fp8 else self.weight.get_value().dtype)
+            xq = act_quant_fp8(x.astype(F32), 32) if xq is None else xq
+            x = xq.astype(self.param_dtype if self.fp8 else self.weight.get_value().dtype)
             return x, od, F32
         return x, od, compute_dtype
 
-    def __call__(self, x, out_dtype=None, compute_dtype=None):
-        x, od, cd = self._prepare(x, out_dtype, compute_dtype)
+    def __call__(self, x, out_dtype=None, compute_dtype=None, xq=None):
+        x, od, cd = self._prepare(x, out_dtype, compute_dtype, xq)
         y = self._matmul(x, od, cd)
         if self.bias is not None:
             y = (y.astype(F32) + self.bias[...].astype(F32)).astype(od)
@@ -241,20 +243,20 @@ def fusable_linears(x, mods) -> bool:
     return len(mods) > 1 and linears_on_kernel(x, mods)
 
 
-def fused_linears(x, mods, out_dtype=None, compute_dtype=None):
+def fused_linears(x, mods, out_dtype=None, compute_dtype=None, xq=None):
     """``tuple(m(x, out_dtype, compute_dtype) for m in mods)`` for Linears that read the same
     input (an expert's w1 and w3; the attention's wq_a and wkv), with one kernel launch for all
     of them where each would run ``fp8_matmul_kernel`` (decode on the kernel path): the small
     GEMVs then stream as one grid instead of paying each launch's ramp-up and tail. Same
     operands and rounding points as the separate calls; only the split-K choice (the fp32
     summation order) may differ. Any other case (bf16 weights, biases, prefill, CPU, or
-    ``kernels.fused_launches()`` off) makes the separate calls."""
+    ``kernels.fused_launches()`` off) makes the separate calls. ``xq``: see ``Linear``."""
     if not fusable_linears(x, mods):
-        return tuple(m(x, out_dtype, compute_dtype) for m in mods)
-    return _run_problem(*linears_kernel_problem(x, mods, out_dtype, compute_dtype))
+        return tuple(m(x, out_dtype, compute_dtype, xq) for m in mods)
+    return _run_problem(*linears_kernel_problem(x, mods, out_dtype, compute_dtype, xq))
 
 
-def linears_kernel_problem(x, mods, out_dtype=None, compute_dtype=None):
+def linears_kernel_problem(x, mods, out_dtype=None, compute_dtype=None, xq=None):
     """The Linears ``mods`` on ``x`` as one ``kernels.grouped_qmatmul_multi`` problem, to share a
     launch with other problems (the decode MoE's shared expert beside its routed experts):
     ``(problem, finish)``, ``finish(outputs)`` giving what ``fused_linears`` returns; None where
@@ -262,7 +264,7 @@ def linears_kernel_problem(x, mods, out_dtype=None, compute_dtype=None):
     if not linears_on_kernel(x, mods):
         return None
     m0 = mods[0]
-    xp, od, cd = m0._prepare(x, out_dtype, compute_dtype)
+    xp, od, cd = m0._prepare(x, out_dtype, compute_dtype, xq)
     return fp8_kernel_problem(xp, [(m.weight[...], m.scale[...]) for m in mods], od, cd, m0.param_dtype)
 
 
@@ -299,6 +301,49 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps)
+
+    def with_quant(self, x, quantize: bool, mix=None):
+        """``(self(x), xq)``; with ``mix`` the norm of ``mhc.hc_pre(x, mix)`` (``x`` a stream
+        [..., n, D]). ``xq``: the fp8 activation quantization of the result
+        (``quant.act_quant_fp8``) where ``quantize`` holds and the kernel runs (decode
+        on the kernel path: one ``kernels.norm_quant`` launch for collapse, norm and
+        quantization; ``norm_quant_impl``), else None (the quantized GEMMs then quantize it themselves)."""
+        lead, D = x.shape[:(-2 if mix is not None else -1)], x.shape[-1]
+        rows = math.prod(lead)
+        impl = norm_quant_impl(x, rows)
+        if impl is None:
+            if mix is not None:
+                from dsv41_jax.model.mhc import hc_pre
+
+                x = hc_pre(x, mix)
+            return self(x), None
+        from dsv41_jax.kernels.norm_quant import norm_quant
+
+        xr = x.reshape(rows, *x.shape[len(lead):])
+        m = None if mix is None else mix.reshape(rows, -1)
+        xn, xq = norm_quant(xr, self.weight[...], self.eps, m, quantize=quantize, impl=impl)
+        return xn.reshape(*lead, D), (None if xq is None else xq.reshape(*lead, D))
+
+
+def norm_quant_impl(x, rows: int):
+    """The ``kernels.norm_quant`` implementation ``RMSNorm.with_quant`` runs, or None for the
+    jnp code. The kernel takes bf16 rows of a multiple of 32, at most ``norm_quant.MAX_ROWS`` of
+    them (decode). ``DSV41_NORM_QUANT`` (read at trace time): ``1`` (default): the Triton kernel
+    where ``kernels.use_pallas()`` holds and no mesh partitioner would have to gather its
+    operands (``kernels.auto_split``); ``0``: always jnp (A/B runs); ``interpret``: the kernel in
+    the Pallas interpreter on any backend (tests)."""
+    from dsv41_jax.kernels import auto_split, use_pallas
+    from dsv41_jax.kernels.norm_quant import MAX_ROWS
+
+    mode = os.environ.get("DSV41_NORM_QUANT", "1")
+    if mode not in ("0", "1", "interpret"):
+        raise ValueError(f"DSV41_NORM_QUANT={mode!r}: use 1 (the kernel where it applies, the default), 0 or "
+                         "interpret")
+    if mode == "0" or x.dtype != jnp.bfloat16 or x.shape[-1] % 32 or not 0 < rows <= MAX_ROWS:
+        return None
+    if mode == "interpret":
+        return "interpret"
+    return "triton" if use_pallas() and not auto_split() else None
 
 
 # ------------------------------------------------------------------------------ exact top-k

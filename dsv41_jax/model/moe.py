@@ -99,8 +99,9 @@ class Expert(nnx.Module):
         self.w2 = Linear(I, D, numerics=numerics)
         self.w3 = Linear(D, I, numerics=numerics)
 
-    def __call__(self, x):
-        g, u = fused_linears(x, (self.w1, self.w3))  # one launch on the decode kernel path
+    def __call__(self, x, xq=None):
+        """``xq``: the fp8 activation quantization of ``x`` if the caller has it (``Linear``)."""
+        g, u = fused_linears(x, (self.w1, self.w3), xq=xq)  # one launch on the decode kernel path
         h = swiglu(g, u, self.limit)
         return self.w2(h.astype(x.dtype))
 
@@ -163,11 +164,18 @@ class MoE(nnx.Module):
         self.experts = Experts(cfg, numerics, experts_int8)
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit, numerics)
 
-    def _aq(self, x):
+    def wants_xq(self) -> bool:
+        """Whether the routed or shared experts take an fp8-quantized input (``_aq``, ``Linear``)."""
+        return self.numerics.fake_quant and (self.experts.quantized or self.shared_experts.w1.quantized)
+
+    def _aq(self, x, xq=None):
+        """(GEMM input, its dtype): in reference numerics with quantized experts the fp8 per-32
+        activation quantization of ``x`` (``xq`` if the caller has it), else ``x``."""
         if self.experts.quantized and self.numerics.fake_quant:
             # e4m3 x 2^k activations are exact in the (bf16) weight dtype: same products, fp32 accumulation
             wdt = self.numerics.dtype if self.experts.w1.int8 else self.experts.w1.weight.get_value().dtype
-            return quant.act_quant_fp8(x.astype(F32), 32).astype(wdt), wdt
+            xq = quant.act_quant_fp8(x.astype(F32), 32) if xq is None else xq
+            return xq.astype(wdt), wdt
         return x, self.numerics.dtype
 
     def routed_dense(self, x, w, ids):
@@ -285,7 +293,7 @@ class MoE(nnx.Module):
         out = jax.lax.fori_loop(0, n_used, body, jnp.zeros((NC * c, D), dt))
         return combine_pairs(out, row_of_pair, T, k)
 
-    def routed_pallas(self, x, w, ids, with_shared: bool = False):
+    def routed_pallas(self, x, w, ids, with_shared: bool = False, xq=None):
         """Routed experts through ``dsv41_jax.kernels.grouped_qmatmul_fused`` (w1 and w3 in one
         launch unless ``kernels.fused_launches()`` is off, then w2): the expert weights are read
         in place (int8 codes + ue8m0 scales dequantized in registers, or the float weights), never
@@ -304,12 +312,12 @@ class MoE(nnx.Module):
         T, k = ids.shape
         N = T * k
 
-        def qmm(a, blocks, n, ps, bm, shared_in=None, shared_mods=()):
+        def qmm(a, blocks, n, ps, bm, shared_in=None, shared_mods=(), shared_xq=None):
             """One launch for the projections ``ps`` of the same rows (and, with ``shared_in``, the
             shared expert's ``shared_mods`` on it); returns (routed outputs, shared outputs or None)."""
             ws = [(p.weight[...], p.scale[...] if p.int8 else None) for p in ps]
             if shared_in is not None:
-                prob, finish = linears_kernel_problem(shared_in, shared_mods)
+                prob, finish = linears_kernel_problem(shared_in, shared_mods, xq=shared_xq)
                 ours, theirs = grouped_qmatmul_multi([dict(x=a, block_group=blocks, n_blocks=n, weights=ws, bm=bm,
                                                            out_dtype=dt), prob])
                 return ours, finish(theirs)
@@ -317,11 +325,11 @@ class MoE(nnx.Module):
                 return tuple(grouped_qmatmul_fused(a, blocks, n, [wi], bm=bm, out_dtype=dt)[0] for wi in ws), None
             return grouped_qmatmul_fused(a, blocks, n, ws, bm=bm, out_dtype=dt), None
 
-        xa, cd = self._aq(x)
+        xa, cd = self._aq(x, xq)
         if N < self.n_experts:
             blocks = ids.reshape(-1).astype(jnp.int32)
             xs = jnp.repeat(xa.astype(cd), k, axis=0)  # row t*k + s: token t, slot s
-            (g, u), sgu = qmm(xs, blocks, N, (ex.w1, ex.w3), 1, *((x, (sh.w1, sh.w3)) if sh is not None else ()))
+            (g, u), sgu = qmm(xs, blocks, N, (ex.w1, ex.w3), 1, *((x, (sh.w1, sh.w3), xq) if sh is not None else ()))
             h = (w.reshape(-1, 1) * swiglu(g, u, self.limit)).astype(dt)
             ha, cd2 = self._aq(h)
             hs = (swiglu(*sgu, sh.limit).astype(x.dtype), (sh.w2,)) if sh is not None else ()
@@ -338,7 +346,7 @@ class MoE(nnx.Module):
         (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c)
         return combine_pairs(y, row_of_pair, T, k)
 
-    def routed_pallas_with_shared(self, x, w, ids):
+    def routed_pallas_with_shared(self, x, w, ids, xq=None):
         """Decode (fewer pairs than experts) with the shared expert's fp8 projections in the routed
         experts' launches (``kernels.grouped_qmatmul_multi``): w1 + w3 of both in one launch, then
         both w2. Returns the routed sum plus the shared expert's output (fp32), bit for bit what
@@ -348,7 +356,7 @@ class MoE(nnx.Module):
         if ids.size >= self.n_experts or not linears_on_kernel(x, (sh.w1, sh.w3)) \
                 or not linears_on_kernel(x, (sh.w2,)):
             return None
-        return self.routed_pallas(x, w, ids, with_shared=True)
+        return self.routed_pallas(x, w, ids, with_shared=True, xq=xq)
 
     def _path(self, T: int, k: int) -> str:
         """Routed-expert implementation for T tokens: ``DSV41_MOE_PATH`` (gather, dense, grouped,
@@ -373,9 +381,12 @@ class MoE(nnx.Module):
             return "dense"
         return "grouped"
 
-    def __call__(self, x, image_mask=None, capture=None):
+    def __call__(self, x, image_mask=None, capture=None, xq=None):
+        """``xq``: the fp8 activation quantization of ``x`` if the caller formed it
+        (``RMSNorm.with_quant``); the decode kernel path and the shared expert use it."""
         shape = x.shape
         xt = x.reshape(-1, shape[-1])
+        xqt = None if xq is None else xq.reshape(xt.shape)
         im = None if image_mask is None else image_mask.reshape(-1)
         w, ids = self.gate(xt, im)
         if capture is not None:
@@ -386,9 +397,9 @@ class MoE(nnx.Module):
         if y is None:
             path = self._path(T, w.shape[-1])
             if path == "pallas":  # decode: the shared expert in the routed experts' launches where it can
-                y = self.routed_pallas_with_shared(xt, w, ids)
+                y = self.routed_pallas_with_shared(xt, w, ids, xq=xqt)
                 if y is not None:
                     return y.astype(x.dtype).reshape(shape)
-            y = getattr(self, "routed_" + path)(xt, w, ids)
-        y = y + self.shared_experts(xt).astype(F32)
+            y = self.routed_pallas(xt, w, ids, xq=xqt) if path == "pallas" else getattr(self, "routed_" + path)(xt, w, ids)
+        y = y + self.shared_experts(xt, xqt).astype(F32)
         return y.astype(x.dtype).reshape(shape)
