@@ -10,7 +10,8 @@ multi-problem launch (``grouped_qmatmul_multi``: the decode MoE's routed w1 + w3
 shared expert's fp8 w1 + w3) bit for bit against each problem's own launch; and the indexer-score
 kernel (``kernels.indexer_scores``, V4.1's 32 index heads x 128) against its XLA formulation in
 bf16 and fp32 (the -inf mask equal, finite scores within the summation-order error); and the
-one-pass mHC mixes (``kernels.mhc_mix``) against their XLA formulation.
+one-pass mHC mixes (``kernels.mhc_mix``) against their XLA formulation; and the fused RMSNorm +
+fp8 act-quant (``kernels.norm_quant``) against its jnp form.
 
     python3 benchmarks/check_gpu_kernels.py
 """
@@ -150,6 +151,28 @@ def check_mhc_mix(key):
                  ss_rel_err=rel(ss, rss))
 
 
+def check_norm_quant(key):
+    """The fused RMSNorm + fp8 act-quant kernel (``kernels.norm_quant``) against its jnp form at
+    V4.1 widths: an mHC site (4 x 5120 stream collapsed first) and the q norm (1280), 1 and 64
+    rows. The quantized rows are compared where the normed rows agree bit for bit (a one-ulp
+    difference in the normed value may move a block's scale or code)."""
+    from dsv41_jax.kernels.norm_quant import norm_quant, norm_quant_reference
+
+    for D, n in ((5120, 4), (1280, 0)):
+        for T in (1, 64):
+            k1, k2, k3 = jax.random.split(jax.random.fold_in(key, D + T), 3)
+            x = jax.random.normal(k1, (T, n, D) if n else (T, D), jnp.float32).astype(jnp.bfloat16)
+            w = (1 + 0.1 * jax.random.normal(k2, (D,), jnp.float32)).astype(jnp.bfloat16)
+            mix = jax.random.uniform(k3, (T, n)) + 0.5 if n else None
+            xn, xq = jax.jit(lambda *a: norm_quant(*a, impl="triton"), static_argnums=2)(x, w, 1e-6, mix)
+            rn, rq = jax.jit(norm_quant_reference, static_argnums=2)(x, w, 1e-6, mix)
+            same = np.asarray(jnp.all(xn.reshape(-1, 32) == rn.reshape(-1, 32), axis=1))
+            q, r = np.asarray(xq, np.float32).reshape(-1, 32), np.asarray(rq, np.float32).reshape(-1, 32)
+            emit(check="norm_quant", width=D, hc=n, rows=T, xn_rel_err=rel(xn, rn),
+                 xn_frac_bits_equal=float(np.mean(np.asarray(xn == rn))),
+                 xq_blocks_equal_where_xn_equal=bool(np.array_equal(q[same], r[same])), xq_rel_err=rel(xq, rq))
+
+
 def check_multi(routed, shared):
     """The decode MoE's two w1 + w3 problems in one launch, against each alone and the reference."""
     f32 = jnp.float32
@@ -178,3 +201,4 @@ if __name__ == "__main__":
     main()
     check_indexer(jax.random.key(3))
     check_mhc_mix(jax.random.key(4))
+    check_norm_quant(jax.random.key(5))
