@@ -11,7 +11,8 @@ shared expert's fp8 w1 + w3) bit for bit against each problem's own launch; and 
 kernel (``kernels.indexer_scores``, V4.1's 32 index heads x 128) against its XLA formulation in
 bf16 and fp32 (the -inf mask equal, finite scores within the summation-order error); and the
 one-pass mHC mixes (``kernels.mhc_mix``) against their XLA formulation; and the fused RMSNorm +
-fp8 act-quant (``kernels.norm_quant``) against its jnp form.
+fp8 act-quant (``kernels.norm_quant``) against its jnp form; and the decode mHC pair
+(``kernels.mhc_mix.hc_mixes_decode``) against ``hc_mixes``' XLA form.
 
     python3 benchmarks/check_gpu_kernels.py
 """
@@ -173,6 +174,34 @@ def check_norm_quant(key):
                  xq_blocks_equal_where_xn_equal=bool(np.array_equal(q[same], r[same])), xq_rel_err=rel(xq, rq))
 
 
+def check_mhc_decode(key):
+    """The decode mHC pair (``kernels.mhc_mix.hc_mixes_decode``: split-K sums + the per-token
+    epilogue with the Sinkhorn) against ``hc_mixes``' XLA path at V4.1 width, 1, 8 and 64 tokens."""
+    from dsv41_jax.kernels.mhc_mix import hc_mixes_decode
+    from dsv41_jax.kernels.sinkhorn import sinkhorn_reference
+
+    n, D = 4, 5120
+    for T in (1, 8, 64):
+        k1, k2, k3 = jax.random.split(jax.random.fold_in(key, T), 3)
+        h = jax.random.normal(k1, (T, n * D), jnp.float32).astype(jnp.bfloat16)
+        fn = 0.02 * jax.random.normal(k2, (24, n * D), jnp.float32)
+        scale, base = jnp.asarray([0.5, 0.7, 1.3]), 0.1 * jax.random.normal(k3, (24,))
+
+        def xla(h, fn, scale, base):
+            x = h.astype(jnp.float32)
+            m = jnp.einsum("ti,oi->to", x, fn, precision="highest") * jax.lax.rsqrt(
+                jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+            pre = jax.nn.sigmoid(m[:, :n] * scale[0] + base[:n]) + 1e-6
+            post = 2 * jax.nn.sigmoid(m[:, n:2 * n] * scale[1] + base[n:2 * n])
+            return pre, post, sinkhorn_reference(m[:, 2 * n:] * scale[2] + base[2 * n:], 20, 1e-6)
+
+        got = jax.jit(lambda *a: hc_mixes_decode(*a, n=n, iters=20, norm_eps=1e-6, hc_eps=1e-6, impl="triton"))(
+            h, fn, scale, base)
+        want = jax.jit(xla)(h, fn, scale, base)
+        emit(check="hc_mixes_decode", tokens=T, **{f"{k}_rel_err": rel(g, w) for k, g, w in
+                                                    zip(("pre", "post", "comb"), got, want)})
+
+
 def check_multi(routed, shared):
     """The decode MoE's two w1 + w3 problems in one launch, against each alone and the reference."""
     f32 = jnp.float32
@@ -202,3 +231,4 @@ if __name__ == "__main__":
     check_indexer(jax.random.key(3))
     check_mhc_mix(jax.random.key(4))
     check_norm_quant(jax.random.key(5))
+    check_mhc_decode(jax.random.key(6))

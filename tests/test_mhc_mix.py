@@ -83,3 +83,34 @@ def test_hc_mixes_through_the_kernel(monkeypatch):
     monkeypatch.setenv("DSV41_MHC_KERNEL", "2")
     with pytest.raises(ValueError, match="DSV41_MHC_KERNEL"):
         hc_mixes(h, fn, scale, base, **kw)
+
+
+@pytest.mark.parametrize("B,S,D", [(1, 1, 5120), (3, 1, 64), (2, 32, 256)])
+def test_decode_pair_through_hc_mixes(B, S, D, monkeypatch):
+    """Decode-sized streams (1, 3 and 64 tokens) take ``hc_mixes_decode`` (split-K sums, then the
+    per-token epilogue with the Sinkhorn in one launch): the same pre / post / comb as the XLA
+    path up to fp32 summation order, and exactly the same on dyadic inputs; two launches, no XLA
+    op between them but free reshapes."""
+    n = 4
+    rng = np.random.default_rng(B * S)
+    kw = dict(hc_mult=n, iters=20, norm_eps=1e-6, hc_eps=1e-6)
+    scale = jnp.asarray([0.5, 0.7, 1.3], F32)
+    base = jnp.asarray(rng.standard_normal((2 + n) * n) * 0.1, F32)
+    for dyadic in (False, True):
+        if dyadic:  # products and sums exact in fp32: only the epilogue's fp32 rounding is left
+            h = jnp.asarray(rng.integers(-8, 9, (B, S, n, D)) / 4, jnp.bfloat16)
+            fn = jnp.asarray(rng.integers(-8, 9, ((2 + n) * n, n * D)) / 64, F32)
+        else:
+            h = jnp.asarray(rng.standard_normal((B, S, n, D)), jnp.bfloat16)
+            fn = jnp.asarray(rng.standard_normal(((2 + n) * n, n * D)) * 0.05, F32)
+        monkeypatch.setenv("DSV41_MHC_KERNEL", "0")
+        monkeypatch.setenv("DSV41_SINKHORN", "xla")
+        ref = jax.jit(lambda *a: hc_mixes(*a, **kw))(h, fn, scale, base)
+        monkeypatch.setenv("DSV41_MHC_KERNEL", "interpret")
+        got = jax.jit(lambda *a: hc_mixes(*a, **kw))(h, fn, scale, base)
+        for g, r, name in zip(got, ref, ("pre", "post", "comb")):
+            assert g.shape == r.shape and g.dtype == F32, name
+            assert _rel(g, r) < (1e-6 if dyadic else 2e-5), (name, dyadic, _rel(g, r))
+    with pytest.raises(ValueError, match="hc_mixes_decode"):
+        M.hc_mixes_decode(jnp.zeros((65, 64), jnp.bfloat16), jnp.zeros((24, 64)), scale, base, n=4, iters=2,
+                          norm_eps=1e-6, hc_eps=1e-6, impl="interpret")

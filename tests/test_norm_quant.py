@@ -83,24 +83,29 @@ def test_env_switch(monkeypatch):
 
 def test_golden_bf16_case_through_the_kernel(monkeypatch):
     """The fp8 golden case (bf16 reference numerics, fp8 Linears: the quantized inputs come from the
-    kernel) with the GPU default's kernel paths, at the case's own tolerances."""
+    kernel) with the GPU default's kernel paths (the decode mHC pair of ``kernels.mhc_mix`` too),
+    at the case's own tolerances."""
     import dsv41_jax.kernels as K
     from dsv41_jax.verify import run_case
 
     case = os.path.join(GOLDEN, "image_fp8")
     if not os.path.isdir(case):
         pytest.fail("golden case image_fp8 missing")
-    calls = []
+    import dsv41_jax.kernels.mhc_mix as MM
     import dsv41_jax.kernels.norm_quant as NQ
 
-    real = NQ._pallas
+    calls, mixes = [], []
+    real, real_mix = NQ._pallas, MM.hc_mixes_decode
     monkeypatch.setattr(NQ, "_pallas", lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+    monkeypatch.setattr(MM, "hc_mixes_decode", lambda *a, **k: mixes.append(1) or real_mix(*a, **k))
     monkeypatch.setattr(K, "use_pallas", lambda: True)
     monkeypatch.setenv("DSV41_NORM_QUANT", "interpret")
     monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
     monkeypatch.setenv("DSV41_SINKHORN", "interpret")
+    monkeypatch.setenv("DSV41_MHC_KERNEL", "interpret")  # the decode mHC pair (kernels.mhc_mix) too
     monkeypatch.setenv("DSV41_MOE_PATH", "pallas")
     res = run_case(case, ("prefill", "decode"), log=lambda s: None)
     failed = [f"{r.kind} {r.name}: {r.detail}" for r in res if r.ok is False]
     assert res and not failed, "\n".join(failed)
     assert calls and any(calls), "the kernel never ran with quantization"
+    assert mixes, "the decode mHC pair never ran"

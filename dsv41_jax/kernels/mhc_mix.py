@@ -136,7 +136,8 @@ def _kernel(x_ref, f_ref, o_ref, *, cfg: MixConfig, T: int, O: int, OP: int, kr:
     _store(o_ref.at[pl.ds(ks, 1), pl.ds(t0, bt), :], jnp.where(col == O, ss, acc)[None], rmask[None])
 
 
-def _pallas(x, fn, cfg: MixConfig, interpret: bool):
+def _partials(x, fn, cfg: MixConfig, interpret: bool, pad: bool = True):
+    """The kernel's ``[splits, T, OP]`` partial sums (column ``O``: the statistic)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -150,16 +151,90 @@ def _pallas(x, fn, cfg: MixConfig, interpret: bool):
                                                                        num_stages=cfg.num_stages))
     cost = pl.CostEstimate(flops=2 * T * K * (O + 1), transcendentals=0,
                            bytes_accessed=x.nbytes + fn.nbytes * grid[0] + splits * T * OP * 4)
-    # Pallas clamps a slice longer than its axis to the axis, so the kernel's [OP, bk] tiles need
-    # OP rows of weights (zeros: 2.6 MB for V4.1-Flash, next to the stream's 335 MB at 8k tokens)
-    fn = jnp.pad(fn, ((0, OP - O), (0, 0)))
-    parts = pl.pallas_call(functools.partial(_kernel, cfg=cfg, T=T, O=O, OP=OP, kr=kr),
-                           out_shape=jax.ShapeDtypeStruct((splits, T, OP), F32), grid=grid,
-                           interpret=interpret, cost_estimate=cost, name="hc_mix_sums", **kw)(x, fn)
-    tot = jnp.sum(parts, axis=0)
+    if pad:
+        # zero rows up to OP (2.6 MB for V4.1-Flash, next to the stream's 335 MB at 8k tokens); the
+        # kernel's masked loads do not need them (``pad=False``: the decode pair, where the copy
+        # would be a kernel launch of its own)
+        fn = jnp.pad(fn, ((0, OP - O), (0, 0)))
+    return pl.pallas_call(functools.partial(_kernel, cfg=cfg, T=T, O=O, OP=OP, kr=kr),
+                          out_shape=jax.ShapeDtypeStruct((splits, T, OP), F32), grid=grid,
+                          interpret=interpret, cost_estimate=cost, name="hc_mix_sums", **kw)(x, fn)
+
+
+def _pallas(x, fn, cfg: MixConfig, interpret: bool):
+    O = fn.shape[0]
+    tot = jnp.sum(_partials(x, fn, cfg, interpret), axis=0)
     return tot[:, :O], tot[:, O]
 
 
+# ------------------------------------------------------------------------------ decode pair
+# tokens up to which ``hc_mixes`` runs ``hc_mixes_decode`` (decode steps); larger chunks take
+# ``hc_mix_sums`` and XLA's epilogue
+DECODE_MAX = 64
+
+
+def _finish_kernel(p_ref, s_ref, b_ref, pre_ref, post_ref, comb_ref, *, S: int, SP: int, n: int, K: int,
+                   iters: int, norm_eps: float, hc_eps: float):
+    """One token: add the split partial sums (``p_ref``: [splits, T, OP / n, n], row 0 the pre
+    logits, row 1 the post logits, rows 2 .. n + 1 the n x n comb logits, row n + 2 column 0 the
+    statistic), then ``hc_mixes``' epilogue: sigmoids and the Sinkhorn normalisation."""
+    from jax.experimental import pallas as pl
+
+    t = pl.program_id(0)
+    smask = lax.broadcasted_iota(jnp.int32, (SP, 1, 1), 0) < S
+
+    def rows(r0, nr, nc):  # [nr, nc] sums over the splits of rows r0 .. r0 + nr - 1
+        return jnp.sum(_load_or(p_ref.at[pl.ds(0, SP), t, pl.ds(r0, nr), pl.ds(0, nc)], smask), axis=0)
+
+    rs = lax.rsqrt(rows(n + 2, 1, 1) / K + norm_eps)                       # [1, 1]
+
+    def logits(r0, nr, which):  # mix * rs * scale[which] + base, as hc_mixes
+        return rows(r0, nr, n) * rs * s_ref[which] + b_ref[pl.ds(r0, nr), :]
+
+    pre_ref[pl.ds(t, 1), :] = jax.nn.sigmoid(logits(0, 1, 0)) + hc_eps     # [1, n]
+    post_ref[pl.ds(t, 1), :] = 2.0 * jax.nn.sigmoid(logits(1, 1, 1))
+    c = logits(2, n, 2)                                                     # [n, n]: sinkhorn_reference
+    c = jnp.exp(c - jnp.max(c, axis=1, keepdims=True))
+    c = c / jnp.sum(c, axis=1, keepdims=True) + hc_eps
+    c = c / (jnp.sum(c, axis=0, keepdims=True) + hc_eps)
+
+    def pair(_, c):
+        c = c / (jnp.sum(c, axis=1, keepdims=True) + hc_eps)
+        return c / (jnp.sum(c, axis=0, keepdims=True) + hc_eps)
+
+    comb_ref[pl.ds(t, 1), :, :] = lax.fori_loop(0, iters - 1, pair, c)[None]
+
+
+def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, hc_eps: float, impl: str,
+                    bk: int = 64):
+    """``mhc.hc_mixes`` of a decode step's few tokens in two launches: ``x [T, n * D]`` (bf16
+    stream), ``fn [O, n * D]``, ``scale [3]``, ``base [O]`` (``O = 2n + n^2``) -> ``(pre [T, n],
+    post [T, n], comb [T, n, n])`` fp32. The first launch is ``hc_mix_sums``' kernel (split-K
+    partial sums over one token block, no XLA sum of the splits); the second adds the splits and
+    runs the epilogue per token (``_finish_kernel``). XLA's form is five small kernels and the
+    Sinkhorn kernel per site. Same math; only fp32 summation orders differ. ``impl``: ``triton``
+    or ``interpret``; ``n`` a power of two, ``n * D`` a multiple of ``bk``."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    T, K = x.shape
+    O = fn.shape[0]
+    OP = out_width(O)
+    if O != 2 * n + n * n or n & (n - 1) or K % bk or not 0 < T <= DECODE_MAX:
+        raise ValueError(f"hc_mixes_decode: {T} tokens of {K} inputs, {O} outputs, n={n} (want O = 2n + n^2, n a "
+                         f"power of two, K a multiple of {bk}, 1..{DECODE_MAX} tokens)")
+    interpret = impl == "interpret"
+    bt = max(16, 1 << (T - 1).bit_length())
+    parts = _partials(x, fn.astype(F32), MixConfig(bt=bt, bk=bk, num_warps=4, num_stages=2), interpret, pad=False)
+    S = parts.shape[0]
+    SP = 1 << (S - 1).bit_length()
+    kernel = functools.partial(_finish_kernel, S=S, SP=SP, n=n, K=K, iters=iters, norm_eps=float(norm_eps),
+                               hc_eps=float(hc_eps))
+    base_rows = base.astype(F32).reshape(O // n, n)  # free views: no XLA kernel besides the two launches
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1))
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, F32)  # noqa: E731
+    return pl.pallas_call(kernel, out_shape=(f32(T, n), f32(T, n), f32(T, n, n)), grid=(T,), interpret=interpret,
+                          name="hc_mix_finish", **kw)(parts.reshape(S, T, OP // n, n), scale.astype(F32), base_rows)
 def hc_mix_sums(x, fn, *, impl: str = "auto", **tiles):
     """``(mix [T, O], ss [T])`` fp32 for ``x [T, K]`` and ``fn [O, K]`` (module docstring).
     ``tiles``: ``MixConfig`` fields; ``K`` must be a multiple of ``bk`` on the kernel paths."""

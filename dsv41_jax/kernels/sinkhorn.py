@@ -82,13 +82,12 @@ def _sum(vals):
     return s
 
 
-def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float, bt: int):
-    """One token block: ``x_ref`` / ``o_ref`` are the whole ``[n*n, T_pad]`` arrays."""
-    from jax.experimental import pallas as pl
-
-    t0 = pl.multiple_of(pl.program_id(0) * bt, bt)
-    # c[i][j]: entry (row i, column j) of bt tokens, a [bt] fp32 vector
-    c = [[x_ref[i * n + j, pl.ds(t0, bt)].astype(F32) for j in range(n)] for i in range(n)]
+def normalize_lists(c, iters: int, eps: float):
+    """The Sinkhorn normalisation of ``c[i][j]`` (row i, column j; each an fp32 vector over a
+    block of tokens) as elementwise operations on those vectors: no in-register slicing or
+    reductions, so it lowers to Triton as straight-line code. Shared by this module's kernel
+    and the decode mHC mixes (``kernels.mhc_mix.hc_mix_finish``)."""
+    n = len(c)
 
     def rows(c):
         out = []
@@ -119,6 +118,17 @@ def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float, bt: int):
 
         flat = jax.lax.fori_loop(0, iters - 1, pair, tuple(v for r in c for v in r))
         c = [list(flat[i * n:(i + 1) * n]) for i in range(n)]
+    return c
+
+
+def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float, bt: int):
+    """One token block: ``x_ref`` / ``o_ref`` are the whole ``[n*n, T_pad]`` arrays."""
+    from jax.experimental import pallas as pl
+
+    t0 = pl.multiple_of(pl.program_id(0) * bt, bt)
+    # c[i][j]: entry (row i, column j) of bt tokens, a [bt] fp32 vector
+    c = [[x_ref[i * n + j, pl.ds(t0, bt)].astype(F32) for j in range(n)] for i in range(n)]
+    c = normalize_lists(c, iters, eps)
     for i in range(n):
         for j in range(n):
             o_ref[i * n + j, pl.ds(t0, bt)] = c[i][j]

@@ -39,7 +39,8 @@ def mix_kernel_impl():
     have to gather its operands (``kernels.auto_split``), else XLA; ``0``: always XLA (A/B
     runs); ``interpret``: the kernel in the Pallas interpreter on any backend (tests). Returns
     the kernel ``impl``, or None for the XLA formulation. ``hc_mixes`` applies it to bf16
-    streams of at least one token block (``kernels.mhc_mix.MIN_BLOCK`` tokens)."""
+    streams: decode steps (``kernels.mhc_mix.DECODE_MAX`` tokens or fewer: ``hc_mixes_decode``)
+    and chunks of at least one token block (``kernels.mhc_mix.MIN_BLOCK`` tokens)."""
     mode = os.environ.get("DSV41_MHC_KERNEL", "1")
     if mode not in ("0", "1", "interpret"):
         raise ValueError(f"DSV41_MHC_KERNEL={mode!r}: use 1 (the kernel where it applies, the default), 0 or interpret")
@@ -54,14 +55,25 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
     """h: [..., n, D] stream -> (pre [..., n], post [..., n], comb [..., n, n]), all fp32.
 
     One RMS statistic per token over the flattened n*D stream; Sinkhorn = row softmax (+eps),
-    one column normalisation, then iters-1 (row, column) pairs. On Hopper-class GPUs the Sinkhorn
-    runs as one Pallas kernel (``DSV41_SINKHORN``, see :func:`sinkhorn_kernel_impl`).
+    one column normalisation, then iters-1 (row, column) pairs. On Hopper-class GPUs
+    (``mix_kernel_impl``) a bf16 stream of at most ``kernels.mhc_mix.DECODE_MAX`` tokens (decode)
+    runs as two Pallas launches (``hc_mixes_decode``: split-K sums, then the epilogue with the
+    Sinkhorn per token); longer ones take the one-pass sums kernel, XLA's epilogue and the
+    Sinkhorn kernel (``DSV41_SINKHORN``, see :func:`sinkhorn_kernel_impl`).
     """
     n = hc_mult
-    from dsv41_jax.kernels.mhc_mix import MIN_BLOCK, hc_mix_sums
+    from dsv41_jax.kernels.mhc_mix import DECODE_MAX, MIN_BLOCK, hc_mix_sums, hc_mixes_decode
 
     impl = mix_kernel_impl()
-    if impl is None or math.prod(h.shape[:-2]) < MIN_BLOCK or h.dtype != jnp.bfloat16:
+    T, K = math.prod(h.shape[:-2]), h.shape[-2] * h.shape[-1]
+    if (impl is not None and h.dtype == jnp.bfloat16 and 0 < T <= DECODE_MAX and not n & (n - 1)
+            and fn.shape[0] == 2 * n + n * n and K % 64 == 0):
+        # decode: split-K sums + the epilogue (sigmoids, Sinkhorn) per token, two launches
+        pre, post, c = hc_mixes_decode(h.reshape(T, K), fn, scale, base, n=n, iters=iters, norm_eps=norm_eps,
+                                       hc_eps=hc_eps, impl=impl)
+        lead = h.shape[:-2]
+        return pre.reshape(*lead, n), post.reshape(*lead, n), c.reshape(*lead, n, n)
+    if impl is None or T < MIN_BLOCK or h.dtype != jnp.bfloat16:
         x = h.reshape(*h.shape[:-2], -1).astype(F32)
         rs = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
         m = einsum("...i,oi->...o", x, fn.astype(F32), preferred_element_type=F32) * rs
