@@ -9,7 +9,6 @@ from dsv41_jax.cache import init_cache
 from dsv41_jax.config import ModelConfig
 from dsv41_jax.model.decoder import Block
 from dsv41_jax.model.layers import RMSNorm, matmul, set_fp8_storage
-from dsv41_jax.model.mhc import hc_pre
 from dsv41_jax.numerics import Numerics
 
 F32 = jnp.float32
@@ -72,7 +71,8 @@ class DeepseekV41(nnx.Module):
 
     def run_layers(self, h, pos, valid, cache, *, image_mask=None, engram_hashes=None, engram_mask=None,
                    capture=None, teacher=None):
-        """h [B,S,n,D] expanded stream. Returns (collapsed [B,S,D], new cache).
+        """h [B,S,n,D] expanded stream. Returns ((stream [B,S,n,D], pre-mix [B,S,n]), new cache): the
+        stream leaving the last layer and its collapse weights (``stream_logits`` forms the logits).
 
         ``engram_hashes`` [B,S,n_engram_layers,cols]; ``teacher``: optional {l: (block_in, pre_in)}
         replacing the stream entering layer l (teacher-forced checks)."""
@@ -103,10 +103,16 @@ class DeepseekV41(nnx.Module):
                 capture[f"block_out_L{l}"] = h
                 capture[f"pre_mix_out_L{l}"] = pre
         cache = dict(cache, layers=new_layers)
-        return hc_pre(h, pre), cache
+        return (h, pre), cache
 
     def logits(self, y):
         return self.head(self.norm(y))
+
+    def stream_logits(self, h, pre):
+        """Logits of the last layer's stream ``h [B, S, n, D]`` collapsed with ``pre [B, S, n]``:
+        ``logits(hc_pre(h, pre))``, the collapse and norm in one kernel on the decode kernel path
+        (``RMSNorm.with_quant``)."""
+        return self.head(self.norm.with_quant(h, False, mix=pre)[0])
 
     def expand(self, emb):
         n = self.config.text.hc_mult
@@ -130,9 +136,11 @@ class DeepseekV41(nnx.Module):
         if engram_hashes is None and self.engram_hasher is not None:
             engram_hashes, hist = self.engram_hasher(input_ids, dead=image_mask, hist=cache["engram_hist"], valid=valid)
             cache = dict(cache, engram_hist=hist)
-        y, cache = self.run_layers(self.expand(emb), positions, valid, cache, image_mask=image_mask,
-                                   engram_hashes=engram_hashes, engram_mask=engram_mask, capture=capture,
-                                   teacher=teacher)
+        (h, pre), cache = self.run_layers(self.expand(emb), positions, valid, cache, image_mask=image_mask,
+                                          engram_hashes=engram_hashes, engram_mask=engram_mask, capture=capture,
+                                          teacher=teacher)
         if logits_at is not None:
-            y = jnp.take_along_axis(y, jnp.clip(logits_at, 0, S - 1)[:, None, None], axis=1)
-        return self.logits(y), cache
+            col = jnp.clip(logits_at, 0, S - 1)[:, None]
+            h = jnp.take_along_axis(h, col[:, :, None, None], axis=1)
+            pre = jnp.take_along_axis(pre, col[:, :, None], axis=1)
+        return self.stream_logits(h, pre), cache
