@@ -6,7 +6,7 @@ Python dispatch.
     python3 benchmarks/sweep_decode_glue.py [--tokens 1,8,64] [--tag TAG]
 
 Parts: the decode mHC pair (``kernels.mhc_mix.hc_mixes_decode``: the sums kernel's mode, inputs
-per program and warps, and the epilogue's form) against ``hc_mixes``' XLA form; the fused norm +
+per program and warps; run 23 also timed a scalar form of the epilogue, since removed) against ``hc_mixes``' XLA form; the fused norm +
 act-quant (``kernels.norm_quant``) at its two V4.1 widths and several warp counts against the jnp
 form. V4.1 widths: a 4 x 5120 stream, 24 mixes, q rank 1280.
 """
@@ -57,9 +57,8 @@ def part_mhc(T: int, tag: str, n: int = 4, D: int = 5120):
     if T <= 16:
         variants += [dict(mode="fma", bk=bk, num_warps=w) for bk in (128, 256, 512) for w in (4, 8)]
     for v in variants:
-        for finish in ("lists", "matrix"):
-            f = jax.jit(lambda *a, v=v, finish=finish: hc_mixes_decode(*a, impl="triton", finish=finish, **v, **hc))
-            report("mhc", dict(tokens=T, finish=finish, **v), kernel_times(f, (h, fn, scale, base)), tag)
+        f = jax.jit(lambda *a, v=v: hc_mixes_decode(*a, impl="triton", **v, **hc))
+        report("mhc", dict(tokens=T, **v), kernel_times(f, (h, fn, scale, base)), tag)
 
 
 def part_norm(T: int, tag: str):

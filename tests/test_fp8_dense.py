@@ -268,6 +268,9 @@ def test_dense_fp8_decode_on_the_kernel_path(pairs, monkeypatch):
                         lambda x, bg, n, ws, **kw: calls.append(tuple(int(c.shape[-2]) for c, _ in ws)) or real(x, bg, n, ws, **kw))
     monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
     monkeypatch.setenv("DSV41_SINKHORN", "xla")  # the jnp Sinkhorn: this test is about the Linears
+    # the decode glue kernels the GPU default also runs (their quantized inputs feed the launches)
+    monkeypatch.setenv("DSV41_NORM_QUANT", "interpret")
+    monkeypatch.setenv("DSV41_MHC_KERNEL", "interpret")
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
     monkeypatch.setenv("DSV41_KERNELS", "pallas")
     graphdef, state = _split_flat(b)  # a fresh jit: the kernel choices are read at trace time

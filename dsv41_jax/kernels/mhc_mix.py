@@ -231,46 +231,15 @@ def _finish_kernel(p_ref, s_ref, b_ref, pre_ref, post_ref, comb_ref, *, S: int, 
     comb_ref[pl.ds(t, 1), :, :] = lax.fori_loop(0, iters - 1, pair, c)[None]
 
 
-def _finish_lists_kernel(p_ref, s_ref, b_ref, pre_ref, post_ref, comb_ref, *, S: int, SP: int, n: int, K: int,
-                         iters: int, norm_eps: float, hc_eps: float):
-    """``_finish_kernel`` with every entry a scalar (``sinkhorn.normalize_lists``): no reductions
-    across lanes inside the Sinkhorn loop. ``p_ref``: [splits, T, OP]."""
-    from jax.experimental import pallas as pl
-
-    from dsv41_jax.kernels.sinkhorn import normalize_lists
-
-    t = pl.program_id(0)
-    smask = lax.broadcasted_iota(jnp.int32, (SP, 1), 0) < S
-
-    def entry(e):  # the sum over the splits of column e: a scalar
-        return jnp.sum(_load_or(p_ref.at[pl.ds(0, SP), t, pl.ds(e, 1)], smask))
-
-    rs = lax.rsqrt(entry(2 * n + n * n) / K + norm_eps)
-
-    def logit(e, which):
-        return entry(e) * rs * s_ref[which] + b_ref[e]
-
-    def as_row(vals):  # scalars -> [1, len(vals)]
-        col = lax.broadcasted_iota(jnp.int32, (1, len(vals)), 1)
-        out = jnp.zeros((1, len(vals)), F32)
-        for i, v in enumerate(vals):
-            out = jnp.where(col == i, v, out)
-        return out
-
-    pre_ref[pl.ds(t, 1), :] = as_row([jax.nn.sigmoid(logit(i, 0)) + hc_eps for i in range(n)])
-    post_ref[pl.ds(t, 1), :] = as_row([2.0 * jax.nn.sigmoid(logit(n + i, 1)) for i in range(n)])
-    c = normalize_lists([[logit(2 * n + i * n + j, 2) for j in range(n)] for i in range(n)], iters, hc_eps)
-    comb_ref[pl.ds(t, 1), :] = as_row([v for r in c for v in r])
-
-
-# the decode pair's defaults, from benchmarks/sweep_decode_glue.py on the H200 (docs/performance.md run 23)
-DECODE_FMA_MAX = 16     # tokens up to which the sums take the FMA kernel (more: the tensor-core one)
-DECODE_FMA_BK = 256     # inputs per FMA program (V4.1: 80 programs)
-DECODE_FINISH = "lists"  # epilogue form: "lists" (scalars) or "matrix" ([n, n] tiles)
+# the decode pair's sums kernel, from benchmarks/sweep_decode_glue.py on the H200 (docs/performance.md
+# run 23: with the epilogue, 5.5 us per site at 1 token against 8.6 us for the tensor-core kernel and
+# 10.8 us for XLA's eight kernels; at 8 tokens the tensor-core kernel wins, 8.8 against 9.9 us)
+DECODE_FMA_MAX = 4      # tokens up to which the sums take the FMA kernel (crossover between 1 and 8)
+DECODE_FMA_BK = 256     # inputs per FMA program (V4.1: 80 programs; 128 and 512 were slower)
 
 
 def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, hc_eps: float, impl: str,
-                    bk: int = 64, mode: str | None = None, finish: str | None = None, num_warps: int = 4):
+                    bk: int = 64, mode: str | None = None, num_warps: int = 4):
     """``mhc.hc_mixes`` of a decode step's few tokens in two launches: ``x [T, n * D]`` (bf16
     stream), ``fn [O, n * D]``, ``scale [3]``, ``base [O]`` (``O = 2n + n^2``) -> ``(pre [T, n],
     post [T, n], comb [T, n, n])`` fp32. The first launch is ``hc_mix_sums``' kernel (split-K
@@ -279,8 +248,8 @@ def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, 
     Sinkhorn kernel per site. Same math; only fp32 summation orders differ. ``impl``: ``triton``
     or ``interpret``; ``n`` a power of two, ``n * D`` a multiple of ``bk``. ``mode``: the sums'
     kernel, ``"fma"`` (``_fma_kernel``, ``bk`` inputs per program; default up to
-    ``DECODE_FMA_MAX`` tokens, with ``DECODE_FMA_BK``) or ``"dot"``; ``finish``: ``"lists"`` or
-    ``"matrix"`` (default ``DECODE_FINISH``)."""
+    ``DECODE_FMA_MAX`` tokens, with ``DECODE_FMA_BK``) or ``"dot"``. (An epilogue holding each
+    entry as a scalar, ``sinkhorn.normalize_lists``, was 1.5-3 us slower per site: run 23.)"""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -292,11 +261,10 @@ def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, 
                          f"power of two, K a multiple of {bk}, 1..{DECODE_MAX} tokens)")
     interpret = impl == "interpret"
     mode = mode or ("fma" if T <= DECODE_FMA_MAX else "dot")
-    finish = finish or DECODE_FINISH
     if mode == "fma" and bk == 64:
         bk = DECODE_FMA_BK
-    if mode not in ("fma", "dot") or finish not in ("lists", "matrix") or K % bk:
-        raise ValueError(f"hc_mixes_decode: mode {mode!r}, finish {finish!r}, bk {bk} for K={K}")
+    if mode not in ("fma", "dot") or K % bk:
+        raise ValueError(f"hc_mixes_decode: mode {mode!r}, bk {bk} for K={K}")
     bt = max(16, 1 << (T - 1).bit_length())
     parts = _partials(x, fn.astype(F32), MixConfig(bt=bt, bk=bk, num_warps=num_warps, num_stages=2), interpret,
                       pad=False, mode=mode)
@@ -305,12 +273,6 @@ def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, 
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, F32)  # noqa: E731
     hc = dict(S=S, SP=SP, n=n, K=K, iters=iters, norm_eps=float(norm_eps), hc_eps=float(hc_eps))
-    if finish == "lists":
-        pre, post, comb = pl.pallas_call(functools.partial(_finish_lists_kernel, **hc),
-                                         out_shape=(f32(T, n), f32(T, n), f32(T, n * n)), grid=(T,),
-                                         interpret=interpret, name="hc_mix_finish", **kw)(parts, scale.astype(F32),
-                                                                                          base.astype(F32))
-        return pre, post, comb.reshape(T, n, n)
     base_rows = base.astype(F32).reshape(O // n, n)  # free views: no XLA kernel besides the two launches
     return pl.pallas_call(functools.partial(_finish_kernel, **hc), out_shape=(f32(T, n), f32(T, n), f32(T, n, n)),
                           grid=(T,), interpret=interpret, name="hc_mix_finish",

@@ -107,8 +107,8 @@ def _pallas(x, weight, eps, mix, quantize: bool, interpret: bool, num_warps: int
     kernel = functools.partial(_kernel, n=n, nb=nb, nbp=nbp, D=D, eps=float(eps), hc=hc, quantize=quantize)
     cost = pl.CostEstimate(flops=T * D * (2 * n + 12), transcendentals=T,
                            bytes_accessed=x.nbytes + weight.nbytes + len(outs) * T * D * x.dtype.itemsize)
-    if num_warps is None:
-        num_warps = 4 if nbp * BLOCK <= 4096 else 8
+    if num_warps is None:  # run 23 (sweep_decode_glue.py): 8 warps were fastest or within 0.2 us at 1-64 rows
+        num_warps = 8
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
     ys = pl.pallas_call(kernel, out_shape=outs, grid=(T,), interpret=interpret, cost_estimate=cost,
                         name="norm_quant", **kw)(*ops)

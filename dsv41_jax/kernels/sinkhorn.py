@@ -85,8 +85,7 @@ def _sum(vals):
 def normalize_lists(c, iters: int, eps: float):
     """The Sinkhorn normalisation of ``c[i][j]`` (row i, column j; each an fp32 vector over a
     block of tokens) as elementwise operations on those vectors: no in-register slicing or
-    reductions, so it lowers to Triton as straight-line code. Shared by this module's kernel
-    and the decode mHC mixes (``kernels.mhc_mix.hc_mix_finish``)."""
+    reductions, so it lowers to Triton as straight-line code."""
     n = len(c)
 
     def rows(c):
