@@ -200,6 +200,16 @@ def check_mhc_decode(key):
         want = jax.jit(xla)(h, fn, scale, base)
         emit(check="hc_mixes_decode", tokens=T, **{f"{k}_rel_err": rel(g, w) for k, g, w in
                                                     zip(("pre", "post", "comb"), got, want)})
+        # with the site's norm rows (inside the FMA sums launch up to 4 tokens)
+        w = (1 + 0.1 * jax.random.normal(k3, (D,), jnp.float32)).astype(jnp.bfloat16)
+        pre_in = jax.random.uniform(k1, (T, n)) + 0.5
+        res = jax.jit(lambda *a: hc_mixes_decode(*a[:4], n=n, iters=20, norm_eps=1e-6, hc_eps=1e-6, impl="triton",
+                                                 norm=(a[4], 1e-6, a[5], True)))(h, fn, scale, base, w, pre_in)
+        from dsv41_jax.kernels.norm_quant import norm_quant_reference
+
+        rn, rq = jax.jit(lambda *a: norm_quant_reference(a[0].reshape(T, n, D), a[1], 1e-6, a[2]))(h, w, pre_in)
+        emit(check="hc_mixes_decode_norm", tokens=T, comb_rel_err=rel(res[2], want[2]), xn_rel_err=rel(res[3], rn),
+             xn_frac_bits_equal=float(np.mean(np.asarray(res[3] == rn))), xq_rel_err=rel(res[4], rq))
 
 
 def check_multi(routed, shared):

@@ -109,3 +109,35 @@ def test_golden_bf16_case_through_the_kernel(monkeypatch):
     assert res and not failed, "\n".join(failed)
     assert calls and any(calls), "the kernel never ran with quantization"
     assert mixes, "the decode mHC pair never ran"
+
+
+@pytest.mark.parametrize("T,D", [(1, 320), (3, 64), (8, 96)])
+def test_site_launches_match_the_separate_forms(T, D, monkeypatch):
+    """``mhc.hc_site`` (the mixes, and the collapse + norm + act-quant of the stream with the
+    previous pre-mix) on the decode kernel path, against ``hc_mixes`` and ``RMSNorm.with_quant``
+    on XLA: up to 4 tokens the norm rows share the FMA sums launch, at 8 they take their own
+    launch beside the tensor-core sums. The normed and quantized rows are the same bits."""
+    from dsv41_jax.model.layers import RMSNorm
+    from dsv41_jax.model.mhc import hc_site
+
+    n = 4
+    k = jax.random.split(jax.random.key(T * D), 5)
+    h = jax.random.normal(k[0], (T, 1, n, D)).astype(jnp.bfloat16)
+    fn = 0.05 * jax.random.normal(k[1], ((2 + n) * n, n * D))
+    scale, base = jnp.asarray([0.5, 0.7, 1.3]), 0.1 * jax.random.normal(k[2], ((2 + n) * n,))
+    pre_in = jax.random.uniform(k[3], (T, 1, n)) + 0.5
+    norm = RMSNorm(D, 1e-6, param_dtype=jnp.bfloat16)
+    norm.weight.value = (1 + 0.1 * jax.random.normal(k[4], (D,))).astype(jnp.bfloat16)
+    kw = dict(hc_mult=n, iters=20, norm_eps=1e-6, hc_eps=1e-6)
+    monkeypatch.setenv("DSV41_MHC_KERNEL", "0")
+    monkeypatch.setenv("DSV41_NORM_QUANT", "0")
+    monkeypatch.setenv("DSV41_SINKHORN", "xla")
+    (rp, rq, rc), (rx, rxq) = hc_site(h, fn, scale, base, pre_in, norm, True, **kw)
+    assert rxq is None  # off the kernel path the GEMMs quantize for themselves
+    monkeypatch.setenv("DSV41_MHC_KERNEL", "interpret")
+    monkeypatch.setenv("DSV41_NORM_QUANT", "interpret")
+    (gp, gq, gc), (gx, gxq) = hc_site(h, fn, scale, base, pre_in, norm, True, **kw)
+    for g, r in ((gp, rp), (gq, rq), (gc, rc)):
+        assert g.shape == r.shape and float(jnp.max(jnp.abs(g - r) / (jnp.abs(r) + 1e-30))) < 2e-5
+    np.testing.assert_array_equal(_bits(gx), _bits(rx))
+    np.testing.assert_array_equal(_bits(gxq), _bits(quant.act_quant_fp8(rx.astype(jnp.float32), 32).astype(rx.dtype)))

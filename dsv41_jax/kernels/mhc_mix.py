@@ -136,13 +136,12 @@ def _kernel(x_ref, f_ref, o_ref, *, cfg: MixConfig, T: int, O: int, OP: int, kr:
     _store(o_ref.at[pl.ds(ks, 1), pl.ds(t0, bt), :], jnp.where(col == O, ss, acc)[None], rmask[None])
 
 
-def _fma_kernel(x_ref, f_ref, o_ref, *, T: int, O: int, OP: int, bk: int):
+def _fma_sums(ks, x_ref, f_ref, o_ref, *, T: int, O: int, OP: int, bk: int):
     """Decode partial sums without the tensor cores: program ``ks`` owns one ``bk``-input range,
     loads its ``[OP, bk]`` fp32 weight slice once and, token by token, adds fp32 products (and the
     squares for the statistic): one step, no padded token rows."""
     from jax.experimental import pallas as pl
 
-    ks = pl.program_id(0)
     k0 = pl.multiple_of(ks * bk, bk)
     w = _load_or(f_ref.at[pl.ds(0, OP), pl.ds(k0, bk)], lax.broadcasted_iota(jnp.int32, (OP, 1), 0) < O)
     col = lax.broadcasted_iota(jnp.int32, (OP,), 0)
@@ -155,9 +154,41 @@ def _fma_kernel(x_ref, f_ref, o_ref, *, T: int, O: int, OP: int, bk: int):
     lax.fori_loop(0, T, row, 0)
 
 
-def _partials(x, fn, cfg: MixConfig, interpret: bool, pad: bool = True, mode: str = "dot"):
+def _fma_kernel(x_ref, f_ref, o_ref, **kw):
+    from jax.experimental import pallas as pl
+
+    _fma_sums(pl.program_id(0), x_ref, f_ref, o_ref, **kw)
+
+
+def _fma_norm_kernel(*refs, splits: int, n_norm_in: int, n_norm_out: int, sums_kw: dict, norm_kw: dict):
+    """The FMA sums' ``splits`` programs, then one program per token for the collapse + norm (+
+    act-quant) of ``kernels.norm_quant`` (independent work reading the same stream: it runs on
+    other SMs beside the sums instead of in a launch of its own). ``refs``: the sums' x and fn,
+    the norm's operands, the sums' output, the norm's outputs."""
+    from jax.experimental import pallas as pl
+
+    from dsv41_jax.kernels.norm_quant import row
+
+    x_ref, f_ref = refs[:2]
+    norm_in = refs[2:2 + n_norm_in]
+    o_ref = refs[2 + n_norm_in]
+    norm_out = refs[3 + n_norm_in:3 + n_norm_in + n_norm_out]
+    pid = pl.program_id(0)
+
+    @pl.when(pid < splits)
+    def _sums():
+        _fma_sums(pid, x_ref, f_ref, o_ref, **sums_kw)
+
+    @pl.when(pid >= splits)
+    def _norm():
+        row(pid - splits, tuple(norm_in) + tuple(norm_out), **norm_kw)
+
+
+def _partials(x, fn, cfg: MixConfig, interpret: bool, pad: bool = True, mode: str = "dot", norm=None):
     """The kernel's ``[splits, T, OP]`` partial sums (column ``O``: the statistic). ``mode``
-    ``"fma"``: ``_fma_kernel`` (one ``cfg.bk`` range per program; decode)."""
+    ``"fma"``: ``_fma_kernel`` (one ``cfg.bk`` range per program; decode); with ``norm``
+    (``kernels.norm_quant.launch_parts`` of the tokens) the norm rows ride in that launch and the
+    result is ``(partials, (xn, xq))``."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -167,9 +198,17 @@ def _partials(x, fn, cfg: MixConfig, interpret: bool, pad: bool = True, mode: st
     if mode == "fma":
         splits = K // cfg.bk
         kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1))
-        return pl.pallas_call(functools.partial(_fma_kernel, T=T, O=O, OP=OP, bk=cfg.bk),
-                              out_shape=jax.ShapeDtypeStruct((splits, T, OP), F32), grid=(splits,),
-                              interpret=interpret, name="hc_mix_sums_fma", **kw)(x, fn)
+        out = jax.ShapeDtypeStruct((splits, T, OP), F32)
+        sums_kw = dict(T=T, O=O, OP=OP, bk=cfg.bk)
+        if norm is None:
+            return pl.pallas_call(functools.partial(_fma_kernel, **sums_kw), out_shape=out, grid=(splits,),
+                                  interpret=interpret, name="hc_mix_sums_fma", **kw)(x, fn)
+        ops, outs, norm_kw, finish = norm
+        ys = pl.pallas_call(functools.partial(_fma_norm_kernel, splits=splits, n_norm_in=len(ops),
+                                              n_norm_out=len(outs), sums_kw=sums_kw, norm_kw=norm_kw),
+                            out_shape=(out, *outs), grid=(splits + T,), interpret=interpret,
+                            name="hc_mix_sums_norm", **kw)(x, fn, *ops)
+        return ys[0], finish(ys[1:])
     splits = cfg.splits or choose_splits(T, K, cfg.bt, cfg.bk)
     kr = K // splits
     grid = (pl.cdiv(T, cfg.bt), splits)
@@ -239,7 +278,7 @@ DECODE_FMA_BK = 256     # inputs per FMA program (V4.1: 80 programs; 128 and 512
 
 
 def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, hc_eps: float, impl: str,
-                    bk: int = 64, mode: str | None = None, num_warps: int = 4):
+                    bk: int = 64, mode: str | None = None, num_warps: int | None = None, norm=None):
     """``mhc.hc_mixes`` of a decode step's few tokens in two launches: ``x [T, n * D]`` (bf16
     stream), ``fn [O, n * D]``, ``scale [3]``, ``base [O]`` (``O = 2n + n^2``) -> ``(pre [T, n],
     post [T, n], comb [T, n, n])`` fp32. The first launch is ``hc_mix_sums``' kernel (split-K
@@ -249,7 +288,12 @@ def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, 
     or ``interpret``; ``n`` a power of two, ``n * D`` a multiple of ``bk``. ``mode``: the sums'
     kernel, ``"fma"`` (``_fma_kernel``, ``bk`` inputs per program; default up to
     ``DECODE_FMA_MAX`` tokens, with ``DECODE_FMA_BK``) or ``"dot"``. (An epilogue holding each
-    entry as a scalar, ``sinkhorn.normalize_lists``, was 1.5-3 us slower per site: run 23.)"""
+    entry as a scalar, ``sinkhorn.normalize_lists``, was 1.5-3 us slower per site: run 23.)
+
+    ``norm``: ``(weight, eps, pre_in, quantize)`` of the site's collapse + norm
+    (``kernels.norm_quant`` with ``mix=pre_in`` on the stream ``x`` viewed as [T, n, D]); the result
+    is then ``(pre, post, comb, xn, xq)``. In the FMA mode the norm rows run inside the sums
+    launch (one launch fewer per site), otherwise in a ``norm_quant`` launch of their own."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -266,17 +310,32 @@ def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, 
     if mode not in ("fma", "dot") or K % bk:
         raise ValueError(f"hc_mixes_decode: mode {mode!r}, bk {bk} for K={K}")
     bt = max(16, 1 << (T - 1).bit_length())
-    parts = _partials(x, fn.astype(F32), MixConfig(bt=bt, bk=bk, num_warps=num_warps, num_stages=2), interpret,
-                      pad=False, mode=mode)
+    if num_warps is None:  # run 23: the FMA sums 5.5 us with 4 or 8 warps; the norm rows want 8
+        num_warps = 8 if (mode == "fma" and norm is not None) else 4
+    cfg = MixConfig(bt=bt, bk=bk, num_warps=num_warps, num_stages=2)
+    normed = None
+    if norm is not None:
+        from dsv41_jax.kernels.norm_quant import launch_parts, norm_quant
+
+        weight, eps, pre_in, quantize = norm
+        xs = x.reshape(T, n, K // n)
+        if mode == "fma":
+            parts, normed = _partials(x, fn.astype(F32), cfg, interpret, pad=False, mode=mode,
+                                      norm=launch_parts(xs, weight, eps, pre_in, quantize))
+        else:
+            normed = norm_quant(xs, weight, eps, pre_in, quantize=quantize, impl=impl)
+    if normed is None or mode != "fma":
+        parts = _partials(x, fn.astype(F32), cfg, interpret, pad=False, mode=mode)
     S = parts.shape[0]
     SP = 1 << (S - 1).bit_length()
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, F32)  # noqa: E731
     hc = dict(S=S, SP=SP, n=n, K=K, iters=iters, norm_eps=float(norm_eps), hc_eps=float(hc_eps))
     base_rows = base.astype(F32).reshape(O // n, n)  # free views: no XLA kernel besides the two launches
-    return pl.pallas_call(functools.partial(_finish_kernel, **hc), out_shape=(f32(T, n), f32(T, n), f32(T, n, n)),
-                          grid=(T,), interpret=interpret, name="hc_mix_finish",
-                          **kw)(parts.reshape(S, T, OP // n, n), scale.astype(F32), base_rows)
+    mixes = pl.pallas_call(functools.partial(_finish_kernel, **hc), out_shape=(f32(T, n), f32(T, n), f32(T, n, n)),
+                           grid=(T,), interpret=interpret, name="hc_mix_finish",
+                           **kw)(parts.reshape(S, T, OP // n, n), scale.astype(F32), base_rows)
+    return mixes if normed is None else (*mixes, *normed)
 def hc_mix_sums(x, fn, *, impl: str = "auto", **tiles):
     """``(mix [T, O], ss [T])`` fp32 for ``x [T, K]`` and ``fn [O, K]`` (module docstring).
     ``tiles``: ``MixConfig`` fields; ``K`` must be a multiple of ``bk`` on the kernel paths."""

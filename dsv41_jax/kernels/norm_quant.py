@@ -59,7 +59,9 @@ def norm_quant_reference(x, weight, eps: float, mix=None, quantize: bool = True)
     return xn, (quant.act_quant_fp8(xn.astype(F32), BLOCK).astype(xn.dtype) if quantize else None)
 
 
-def _kernel(*refs, n: int, nb: int, nbp: int, D: int, eps: float, hc: bool, quantize: bool):
+def row(t, refs, *, n: int, nb: int, nbp: int, D: int, eps: float, hc: bool, quantize: bool):
+    """Row ``t`` of the launch: ``refs`` = the operands then the outputs of ``launch_parts``.
+    Also the norm rows inside the decode mHC sums launch (``kernels.mhc_mix.hc_mixes_decode``)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -67,7 +69,6 @@ def _kernel(*refs, n: int, nb: int, nbp: int, D: int, eps: float, hc: bool, quan
         x_ref, mix_ref, w_ref, *outs = refs
     else:
         x_ref, w_ref, *outs = refs
-    t = pl.program_id(0)
     mask = jnp.broadcast_to((jnp.arange(nbp) < nb)[:, None], (nbp, BLOCK))
     blocks = pl.ds(0, nbp)
     if hc:  # hc_pre: fp32 products, the n terms summed in order, one rounding to the stream dtype
@@ -91,29 +92,43 @@ def _kernel(*refs, n: int, nb: int, nbp: int, D: int, eps: float, hc: bool, quan
         plgpu.store(outs[1].at[t, blocks, :], xq.astype(outs[1].dtype), mask=mask)
 
 
+def _kernel(*refs, **kw):
+    from jax.experimental import pallas as pl
+
+    row(pl.program_id(0), refs, **kw)
+
+
+def launch_parts(x, weight, eps, mix, quantize: bool):
+    """(operands, output shapes, ``row`` keywords, ``finish``) of the rows of ``x``: ``finish``
+    maps the launch's outputs to ``(xn, xq or None)``."""
+    hc = mix is not None
+    T, D = x.shape[0], x.shape[-1]
+    nb = D // BLOCK
+    n = x.shape[1] if hc else 1
+    ops = [x.reshape(T * n, nb, BLOCK)] + ([mix.astype(F32)] if hc else []) + [weight.reshape(nb, BLOCK)]
+    out = jax.ShapeDtypeStruct((T, nb, BLOCK), x.dtype)
+    kw = dict(n=n, nb=nb, nbp=_pow2_at_least(nb), D=D, eps=float(eps), hc=hc, quantize=quantize)
+
+    def finish(ys):
+        ys = [y.reshape(T, D) for y in ys]
+        return ys[0], (ys[1] if quantize else None)
+
+    return ops, ((out, out) if quantize else (out,)), kw, finish
+
+
 def _pallas(x, weight, eps, mix, quantize: bool, interpret: bool, num_warps: int | None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    hc = mix is not None
-    T, D = x.shape[0], x.shape[-1]
-    nb = D // BLOCK
-    nbp = _pow2_at_least(nb)
-    n = x.shape[1] if hc else 1
-    xv = x.reshape(T * n, nb, BLOCK)
-    ops = [xv] + ([mix.astype(F32)] if hc else []) + [weight.reshape(nb, BLOCK)]
-    out = jax.ShapeDtypeStruct((T, nb, BLOCK), x.dtype)
-    outs = (out, out) if quantize else (out,)
-    kernel = functools.partial(_kernel, n=n, nb=nb, nbp=nbp, D=D, eps=float(eps), hc=hc, quantize=quantize)
+    ops, outs, rkw, finish = launch_parts(x, weight, eps, mix, quantize)
+    T, D, n = x.shape[0], x.shape[-1], rkw["n"]
     cost = pl.CostEstimate(flops=T * D * (2 * n + 12), transcendentals=T,
                            bytes_accessed=x.nbytes + weight.nbytes + len(outs) * T * D * x.dtype.itemsize)
     if num_warps is None:  # run 23 (sweep_decode_glue.py): 8 warps were fastest or within 0.2 us at 1-64 rows
         num_warps = 8
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
-    ys = pl.pallas_call(kernel, out_shape=outs, grid=(T,), interpret=interpret, cost_estimate=cost,
-                        name="norm_quant", **kw)(*ops)
-    ys = [y.reshape(T, D) for y in ys]
-    return ys[0], (ys[1] if quantize else None)
+    return finish(pl.pallas_call(functools.partial(_kernel, **rkw), out_shape=outs, grid=(T,), interpret=interpret,
+                                 cost_estimate=cost, name="norm_quant", **kw)(*ops))
 
 
 def norm_quant(x, weight, eps: float, mix=None, *, quantize: bool = True, impl: str = "triton",

@@ -8,7 +8,7 @@ from dsv41_jax.config import LayerPlan, TextConfig
 from dsv41_jax.model.attention import Attention
 from dsv41_jax.model.engram import Engram
 from dsv41_jax.model.layers import RMSNorm
-from dsv41_jax.model.mhc import hc_mixes, hc_post
+from dsv41_jax.model.mhc import hc_post, hc_site
 from dsv41_jax.model.moe import MoE
 from dsv41_jax.numerics import Numerics
 
@@ -49,13 +49,16 @@ class Block(nnx.Module):
             h = self.engram(h, engram_hashes, engram_mask)
             if capture is not None:
                 capture["engram_out"] = h
-        pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn[...], self.hc_attn_scale[...], self.hc_attn_base[...], **self._hc())
-        # collapse + norm (+ the fp8 activation quantization its GEMMs need: one kernel in decode)
-        x, xq = self.attn_norm.with_quant(h, self.attn.wants_xq(), mix=pre_in)
+        # the site's mixes, and the collapse + norm (+ the fp8 activation quantization its GEMMs
+        # need) of the stream with the previous site's pre-mix: two launches per site in decode
+        (pre_a, post_a, comb_a), (x, xq) = hc_site(h, self.hc_attn_fn[...], self.hc_attn_scale[...],
+                                                   self.hc_attn_base[...], pre_in, self.attn_norm,
+                                                   self.attn.wants_xq(), **self._hc())
         a, cache, ctx = self.attn(x, pos, valid, cache, ctx, capture, xq=xq)
         h = hc_post(a, h, post_a, comb_a)
-        pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn[...], self.hc_ffn_scale[...], self.hc_ffn_base[...], **self._hc())
-        x, xq = self.ffn_norm.with_quant(h, self.ffn.wants_xq(), mix=pre_a)
+        (pre_f, post_f, comb_f), (x, xq) = hc_site(h, self.hc_ffn_fn[...], self.hc_ffn_scale[...],
+                                                   self.hc_ffn_base[...], pre_a, self.ffn_norm, self.ffn.wants_xq(),
+                                                   **self._hc())
         f = self.ffn(x, image_mask, capture, xq=xq)
         h = hc_post(f, h, post_f, comb_f)
         return h, pre_f, cache, ctx

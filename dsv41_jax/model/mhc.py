@@ -96,6 +96,31 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
     return pre, post, c
 
 
+def hc_site(h, fn, scale, base, pre_in, norm, quantize: bool, *, hc_mult: int, iters: int, norm_eps: float,
+            hc_eps: float):
+    """One mHC site's inputs: ``(hc_mixes(h, fn, scale, base, ...), norm.with_quant(h, quantize,
+    mix=pre_in))``, i.e. ``((pre, post, comb), (x, xq))``. On the decode kernel path (a bf16
+    stream of at most ``kernels.mhc_mix.DECODE_MAX`` tokens with both the mHC and the
+    ``norm_quant`` kernels on) the norm rows share the mixes' sums launch
+    (``hc_mixes_decode(norm=...)``): one launch fewer per site. Same values either way."""
+    from dsv41_jax.kernels.mhc_mix import DECODE_MAX, hc_mixes_decode
+    from dsv41_jax.model.layers import norm_quant_impl
+
+    n = hc_mult
+    T, K = math.prod(h.shape[:-2]), h.shape[-2] * h.shape[-1]
+    impl = mix_kernel_impl()
+    if (impl is not None and impl == norm_quant_impl(h, T) and h.dtype == jnp.bfloat16 and 0 < T <= DECODE_MAX
+            and not n & (n - 1) and fn.shape[0] == 2 * n + n * n and K % 64 == 0):
+        pre, post, c, x, xq = hc_mixes_decode(h.reshape(T, K), fn, scale, base, n=n, iters=iters, norm_eps=norm_eps,
+                                              hc_eps=hc_eps, impl=impl,
+                                              norm=(norm.weight[...], norm.eps, pre_in.reshape(T, n), quantize))
+        lead, D = h.shape[:-2], h.shape[-1]
+        return ((pre.reshape(*lead, n), post.reshape(*lead, n), c.reshape(*lead, n, n)),
+                (x.reshape(*lead, D), None if xq is None else xq.reshape(*lead, D)))
+    mixes = hc_mixes(h, fn, scale, base, hc_mult=n, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps)
+    return mixes, norm.with_quant(h, quantize, mix=pre_in)
+
+
 def hc_pre(h, mix):
     """Collapse [..., n, D] with weights [..., n] (fp32 sum), cast to the stream dtype."""
     return jnp.sum(mix[..., None].astype(F32) * h.astype(F32), axis=-2).astype(h.dtype)
