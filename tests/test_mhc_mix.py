@@ -85,10 +85,11 @@ def test_hc_mixes_through_the_kernel(monkeypatch):
         hc_mixes(h, fn, scale, base, **kw)
 
 
-@pytest.mark.parametrize("B,S,D", [(1, 1, 5120), (3, 1, 64), (2, 32, 256)])
+@pytest.mark.parametrize("B,S,D", [(1, 1, 5120), (3, 1, 64), (2, 32, 256), (1, 1, 80)])
 def test_decode_pair_through_hc_mixes(B, S, D, monkeypatch):
-    """Decode-sized streams (1, 3 and 64 tokens) take ``hc_mixes_decode`` (split-K sums, then the
-    per-token epilogue with the Sinkhorn in one launch): the same pre / post / comb as the XLA
+    """Decode-sized streams (1, 3 and 64 tokens; a stream of 4 x 80, whose FMA ranges fall back to
+    64 inputs) take ``hc_mixes_decode`` (split-K sums, then the per-token epilogue with the
+    Sinkhorn in one launch): the same pre / post / comb as the XLA
     path up to fp32 summation order, and exactly the same on dyadic inputs; two launches, no XLA
     op between them but free reshapes."""
     n = 4

@@ -278,17 +278,18 @@ DECODE_FMA_BK = 256     # inputs per FMA program (V4.1: 80 programs; 128 and 512
 
 
 def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, hc_eps: float, impl: str,
-                    bk: int = 64, mode: str | None = None, num_warps: int | None = None, norm=None):
+                    bk: int | None = None, mode: str | None = None, num_warps: int | None = None, norm=None):
     """``mhc.hc_mixes`` of a decode step's few tokens in two launches: ``x [T, n * D]`` (bf16
     stream), ``fn [O, n * D]``, ``scale [3]``, ``base [O]`` (``O = 2n + n^2``) -> ``(pre [T, n],
-    post [T, n], comb [T, n, n])`` fp32. The first launch is ``hc_mix_sums``' kernel (split-K
-    partial sums over one token block, no XLA sum of the splits); the second adds the splits and
-    runs the epilogue per token (``_finish_kernel``). XLA's form is five small kernels and the
-    Sinkhorn kernel per site. Same math; only fp32 summation orders differ. ``impl``: ``triton``
-    or ``interpret``; ``n`` a power of two, ``n * D`` a multiple of ``bk``. ``mode``: the sums'
-    kernel, ``"fma"`` (``_fma_kernel``, ``bk`` inputs per program; default up to
-    ``DECODE_FMA_MAX`` tokens, with ``DECODE_FMA_BK``) or ``"dot"``. (An epilogue holding each
-    entry as a scalar, ``sinkhorn.normalize_lists``, was 1.5-3 us slower per site: run 23.)
+    post [T, n], comb [T, n, n])`` fp32. The first launch writes split-K partial sums (no XLA sum
+    of the splits, no padded weights); the second adds the splits and runs the epilogue per token
+    (``_finish_kernel``). XLA's form is five small kernels and the Sinkhorn kernel per site. Same
+    math; only fp32 summation orders differ. ``impl``: ``triton`` or ``interpret``; ``n`` a power
+    of two, ``n * D`` a multiple of ``bk``. ``mode``: the sums' kernel, ``"fma"`` (``_fma_sums``,
+    ``bk`` inputs per program, default ``DECODE_FMA_BK``; the default mode up to
+    ``DECODE_FMA_MAX`` tokens) or ``"dot"`` (``hc_mix_sums``' tensor-core kernel over one token
+    block, ``bk`` per step, default 64). (An epilogue holding each entry as a scalar,
+    ``sinkhorn.normalize_lists``, was 1.5-3 us slower per site: run 23.)
 
     ``norm``: ``(weight, eps, pre_in, quantize)`` of the site's collapse + norm
     (``kernels.norm_quant`` with ``mix=pre_in`` on the stream ``x`` viewed as [T, n, D]); the result
@@ -300,15 +301,16 @@ def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, 
     T, K = x.shape
     O = fn.shape[0]
     OP = out_width(O)
-    if O != 2 * n + n * n or n & (n - 1) or K % bk or not 0 < T <= DECODE_MAX:
-        raise ValueError(f"hc_mixes_decode: {T} tokens of {K} inputs, {O} outputs, n={n} (want O = 2n + n^2, n a "
-                         f"power of two, K a multiple of {bk}, 1..{DECODE_MAX} tokens)")
-    interpret = impl == "interpret"
     mode = mode or ("fma" if T <= DECODE_FMA_MAX else "dot")
-    if mode == "fma" and bk == 64:
-        bk = DECODE_FMA_BK
-    if mode not in ("fma", "dot") or K % bk:
-        raise ValueError(f"hc_mixes_decode: mode {mode!r}, bk {bk} for K={K}")
+    if not bk:  # the FMA ranges: DECODE_FMA_BK inputs, or the largest power of two below it that divides K
+        bk = DECODE_FMA_BK if mode == "fma" else 64
+        while mode == "fma" and K % bk and bk > 16:
+            bk //= 2
+    if O != 2 * n + n * n or n & (n - 1) or K % bk or not 0 < T <= DECODE_MAX or mode not in ("fma", "dot"):
+        raise ValueError(f"hc_mixes_decode: {T} tokens of {K} inputs, {O} outputs, n={n}, mode {mode!r} (want "
+                         f"O = 2n + n^2, n a power of two, K a multiple of {bk}, 1..{DECODE_MAX} tokens, mode fma "
+                         "or dot)")
+    interpret = impl == "interpret"
     bt = max(16, 1 << (T - 1).bit_length())
     if num_warps is None:  # run 23: the FMA sums 5.5 us with 4 or 8 warps; the norm rows want 8
         num_warps = 8 if (mode == "fma" and norm is not None) else 4
@@ -336,6 +338,8 @@ def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, 
                            grid=(T,), interpret=interpret, name="hc_mix_finish",
                            **kw)(parts.reshape(S, T, OP // n, n), scale.astype(F32), base_rows)
     return mixes if normed is None else (*mixes, *normed)
+
+
 def hc_mix_sums(x, fn, *, impl: str = "auto", **tiles):
     """``(mix [T, O], ss [T])`` fp32 for ``x [T, K]`` and ``fn [O, K]`` (module docstring).
     ``tiles``: ``MixConfig`` fields; ``K`` must be a multiple of ``bk`` on the kernel paths."""
