@@ -62,6 +62,8 @@ def test_bad_shapes_are_refused():
         norm_quant(x, jnp.ones((40,)), 1e-6, impl="interpret")
     with pytest.raises(ValueError, match="want"):
         norm_quant(jnp.zeros((2, 64), jnp.bfloat16), jnp.ones((32,)), 1e-6, impl="interpret")
+    with pytest.raises(ValueError, match="want"):  # mix rows that do not match the stream's
+        norm_quant(jnp.zeros((2, 4, 64), jnp.bfloat16), jnp.ones((64,)), 1e-6, jnp.ones((3, 4)), impl="interpret")
     with pytest.raises(ValueError, match="impl"):
         norm_quant(jnp.zeros((2, 64), jnp.bfloat16), jnp.ones((64,)), 1e-6, impl="cuda")
 

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dsv41_jax.kernels.qmatmul import _load_or, _store, kernel_impl, offsets_fit
+from dsv41_jax.kernels.qmatmul import _load_or, _pow2_at_least, _store, kernel_impl, offsets_fit
 
 F32 = jnp.float32
 # programs to aim for (two per SM of a 132-SM H200): fewer tokens get more K ranges
@@ -311,7 +311,7 @@ def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, 
                          f"O = 2n + n^2, n a power of two, K a multiple of {bk}, 1..{DECODE_MAX} tokens, mode fma "
                          "or dot)")
     interpret = impl == "interpret"
-    bt = max(16, 1 << (T - 1).bit_length())
+    bt = max(16, _pow2_at_least(T))
     if num_warps is None:  # run 23: the FMA sums 5.5 us with 4 or 8 warps; the norm rows want 8
         num_warps = 8 if (mode == "fma" and norm is not None) else 4
     cfg = MixConfig(bt=bt, bk=bk, num_warps=num_warps, num_stages=2)
@@ -329,7 +329,7 @@ def hc_mixes_decode(x, fn, scale, base, *, n: int, iters: int, norm_eps: float, 
     if normed is None or mode != "fma":
         parts = _partials(x, fn.astype(F32), cfg, interpret, pad=False, mode=mode)
     S = parts.shape[0]
-    SP = 1 << (S - 1).bit_length()
+    SP = _pow2_at_least(S)
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1))
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, F32)  # noqa: E731
     hc = dict(S=S, SP=SP, n=n, K=K, iters=iters, norm_eps=float(norm_eps), hc_eps=float(hc_eps))

@@ -33,18 +33,12 @@ import jax
 import jax.numpy as jnp
 
 from dsv41_jax import quant
+from dsv41_jax.kernels.qmatmul import _pow2_at_least
 
 F32 = jnp.float32
 BLOCK = 32  # inputs per fp8 activation scale
 _IMPLS = ("triton", "interpret", "xla")
 MAX_ROWS = 64  # rows (tokens) up to which the model uses the kernel: decode steps
-
-
-def _pow2_at_least(v: int) -> int:
-    p = 1
-    while p < v:
-        p *= 2
-    return p
 
 
 def norm_quant_reference(x, weight, eps: float, mix=None, quantize: bool = True):
@@ -141,7 +135,8 @@ def norm_quant(x, weight, eps: float, mix=None, *, quantize: bool = True, impl: 
     D = x.shape[-1]
     if D % BLOCK:
         raise ValueError(f"norm_quant: last axis {D} is not a multiple of {BLOCK}")
-    if (x.ndim != 3 if mix is not None else x.ndim != 2) or weight.shape != (D,):
+    bad_mix = mix is not None and (x.ndim != 3 or mix.shape != x.shape[:2])
+    if bad_mix or (mix is None and x.ndim != 2) or weight.shape != (D,):
         raise ValueError(f"norm_quant: x {x.shape}, weight {weight.shape}, mix "
                          f"{None if mix is None else mix.shape}: want [T, D] (or [T, n, D] with mix [T, n]), [D]")
     if impl == "xla":

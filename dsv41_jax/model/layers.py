@@ -206,7 +206,7 @@ class Linear(nnx.Module):
     def _prepare(self, x, out_dtype, compute_dtype, xq=None):
         """(input, out dtype, compute dtype) of the GEMM: in reference numerics a quantized
         weight's input goes through the fp8 per-32 fake quantization first (``xq``: that
-        quantization of ``x`` when the caller has it already, e.g. from ``normed``)."""
+        quantization of ``x`` when the caller has it already, e.g. from ``RMSNorm.with_quant``)."""
         od = self.numerics.dtype if out_dtype is None else out_dtype
         if self.quantized and self.numerics.fake_quant:
             from dsv41_jax.quant import act_quant_fp8

@@ -51,6 +51,17 @@ def mix_kernel_impl():
     return "triton" if mode == "1" and use_pallas() and not auto_split() else None
 
 
+def _decode_pair_applies(h, fn, n: int, impl) -> bool:
+    """Whether ``hc_mixes`` of the stream ``h [..., n, D]`` takes ``kernels.mhc_mix.hc_mixes_decode``:
+    a kernel ``impl``, a bf16 stream of 1..``DECODE_MAX`` tokens, ``n`` a power of two with
+    ``2n + n^2`` mixes, ``n * D`` a multiple of 64."""
+    from dsv41_jax.kernels.mhc_mix import DECODE_MAX
+
+    T, K = math.prod(h.shape[:-2]), h.shape[-2] * h.shape[-1]
+    return (impl is not None and h.dtype == jnp.bfloat16 and 0 < T <= DECODE_MAX and not n & (n - 1)
+            and fn.shape[0] == 2 * n + n * n and K % 64 == 0)
+
+
 def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, hc_eps: float):
     """h: [..., n, D] stream -> (pre [..., n], post [..., n], comb [..., n, n]), all fp32.
 
@@ -62,12 +73,11 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
     Sinkhorn kernel (``DSV41_SINKHORN``, see :func:`sinkhorn_kernel_impl`).
     """
     n = hc_mult
-    from dsv41_jax.kernels.mhc_mix import DECODE_MAX, MIN_BLOCK, hc_mix_sums, hc_mixes_decode
+    from dsv41_jax.kernels.mhc_mix import MIN_BLOCK, hc_mix_sums, hc_mixes_decode
 
     impl = mix_kernel_impl()
     T, K = math.prod(h.shape[:-2]), h.shape[-2] * h.shape[-1]
-    if (impl is not None and h.dtype == jnp.bfloat16 and 0 < T <= DECODE_MAX and not n & (n - 1)
-            and fn.shape[0] == 2 * n + n * n and K % 64 == 0):
+    if _decode_pair_applies(h, fn, n, impl):
         # decode: split-K sums + the epilogue (sigmoids, Sinkhorn) per token, two launches
         pre, post, c = hc_mixes_decode(h.reshape(T, K), fn, scale, base, n=n, iters=iters, norm_eps=norm_eps,
                                        hc_eps=hc_eps, impl=impl)
@@ -103,14 +113,13 @@ def hc_site(h, fn, scale, base, pre_in, norm, quantize: bool, *, hc_mult: int, i
     stream of at most ``kernels.mhc_mix.DECODE_MAX`` tokens with both the mHC and the
     ``norm_quant`` kernels on) the norm rows share the mixes' sums launch
     (``hc_mixes_decode(norm=...)``): one launch fewer per site. Same values either way."""
-    from dsv41_jax.kernels.mhc_mix import DECODE_MAX, hc_mixes_decode
+    from dsv41_jax.kernels.mhc_mix import hc_mixes_decode
     from dsv41_jax.model.layers import norm_quant_impl
 
     n = hc_mult
     T, K = math.prod(h.shape[:-2]), h.shape[-2] * h.shape[-1]
     impl = mix_kernel_impl()
-    if (impl is not None and impl == norm_quant_impl(h, T) and h.dtype == jnp.bfloat16 and 0 < T <= DECODE_MAX
-            and not n & (n - 1) and fn.shape[0] == 2 * n + n * n and K % 64 == 0):
+    if _decode_pair_applies(h, fn, n, impl) and impl == norm_quant_impl(h, T):
         pre, post, c, x, xq = hc_mixes_decode(h.reshape(T, K), fn, scale, base, n=n, iters=iters, norm_eps=norm_eps,
                                               hc_eps=hc_eps, impl=impl,
                                               norm=(norm.weight[...], norm.eps, pre_in.reshape(T, n), quantize))
