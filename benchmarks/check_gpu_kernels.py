@@ -174,6 +174,20 @@ def check_norm_quant(key):
                  xq_blocks_equal_where_xn_equal=bool(np.array_equal(q[same], r[same])), xq_rel_err=rel(xq, rq))
 
 
+def check_topk(key):
+    """The decode indexer's ranking top-k (``kernels.topk``) against ``lax.top_k`` + sort: the same
+    indices exactly, at the V4.1 decode shapes (512 of 4160 and of 2080 entries; 1 and 4 rows)
+    with ties and -inf entries."""
+    from dsv41_jax.kernels.topk import topk_ascending
+
+    for R, T in ((1, 4160), (1, 2080), (4, 4160)):
+        x = jnp.round(4 * jax.random.normal(jax.random.fold_in(key, R * T), (R, T))) / 4
+        x = jnp.where(jnp.arange(T) >= T - 100, -jnp.inf, x)
+        got = jax.jit(lambda a: topk_ascending(a, 512, impl="triton"))(x)
+        want = jnp.sort(jax.lax.top_k(x, 512)[1], axis=-1)
+        emit(check="topk_ascending", rows=R, entries=T, k=512, equal=bool(jnp.array_equal(got, want)))
+
+
 def check_mhc_decode(key):
     """The decode mHC pair (``kernels.mhc_mix.hc_mixes_decode``: split-K sums + the per-token
     epilogue with the Sinkhorn) against ``hc_mixes``' XLA path at V4.1 width, 1, 8 and 64 tokens."""
@@ -242,3 +256,4 @@ if __name__ == "__main__":
     check_mhc_mix(jax.random.key(4))
     check_norm_quant(jax.random.key(5))
     check_mhc_decode(jax.random.key(6))
+    check_topk(jax.random.key(7))

@@ -8,7 +8,9 @@ Python dispatch.
 Parts: the decode mHC pair (``kernels.mhc_mix.hc_mixes_decode``: the sums kernel's mode, inputs
 per program and warps; run 23 also timed a scalar form of the epilogue, since removed) against ``hc_mixes``' XLA form; the fused norm +
 act-quant (``kernels.norm_quant``) at its two V4.1 widths and several warp counts against the jnp
-form. V4.1 widths: a 4 x 5120 stream, 24 mixes, q rank 1280.
+form. V4.1 widths: a 4 x 5120 stream, 24 mixes, q rank 1280. The decode indexer's top-k
+(``kernels.topk``: entries per program, keys per loop step, warps) against XLA's sort and ranking
+forms at 512 of 4160 and of 2080 entries (``--parts topk``; its rows are the tokens, up to 4).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import profile_step as ps  # noqa: E402
 from dsv41_jax.kernels.mhc_mix import hc_mixes_decode  # noqa: E402
 from dsv41_jax.kernels.norm_quant import norm_quant, norm_quant_reference  # noqa: E402
+from dsv41_jax.kernels.topk import MAX_ROWS, topk_ascending  # noqa: E402
 
 emit = bs.jsonl_emitter("sweep_decode_glue.jsonl")
 STEPS = 20
@@ -74,10 +77,25 @@ def part_norm(T: int, tag: str):
             report("norm_quant", dict(tokens=T, width=D, hc=n, num_warps=nw), kernel_times(f, (x, w, mix)), tag)
 
 
+def part_topk(T: int, tag: str, k: int = 512):
+    if T > MAX_ROWS:
+        return
+    for n in (4160, 2080):
+        x = jax.random.normal(jax.random.key(n + T), (T, n), jnp.float32)
+        for limit in ("0", str(1 << 26)):  # XLA: lax.top_k + sort, then the compare-and-count ranking
+            os.environ["DSV41_RANK_TOPK_MAX"] = limit
+            f = jax.jit(lambda x: topk_ascending(x, k, impl="xla"))
+            report("topk", dict(tokens=T, entries=n, impl="xla", rank_max=int(limit)), kernel_times(f, (x,)), tag)
+        os.environ.pop("DSV41_RANK_TOPK_MAX")
+        for bi, bj, nw in ((32, 256, 4), (16, 256, 4), (64, 256, 8), (32, 512, 4), (32, 128, 4), (16, 512, 2)):
+            f = jax.jit(lambda x, v=(bi, bj, nw): topk_ascending(x, k, impl="triton", bi=v[0], bj=v[1], num_warps=v[2]))
+            report("topk", dict(tokens=T, entries=n, bi=bi, bj=bj, num_warps=nw), kernel_times(f, (x,)), tag)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8,64")
-    ap.add_argument("--parts", default="mhc,norm")
+    ap.add_argument("--parts", default="mhc,norm,topk")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
     for T in [int(t) for t in a.tokens.split(",") if t]:
@@ -85,6 +103,8 @@ def main():
             part_mhc(T, a.tag)
         if "norm" in a.parts:
             part_norm(T, a.tag)
+        if "topk" in a.parts:
+            part_topk(T, a.tag)
 
 
 if __name__ == "__main__":

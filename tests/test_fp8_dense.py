@@ -271,6 +271,7 @@ def test_dense_fp8_decode_on_the_kernel_path(pairs, monkeypatch):
     # the decode glue kernels the GPU default also runs (their quantized inputs feed the launches)
     monkeypatch.setenv("DSV41_NORM_QUANT", "interpret")
     monkeypatch.setenv("DSV41_MHC_KERNEL", "interpret")
+    monkeypatch.setenv("DSV41_TOPK_KERNEL", "interpret")
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
     monkeypatch.setenv("DSV41_KERNELS", "pallas")
     graphdef, state = _split_flat(b)  # a fresh jit: the kernel choices are read at trace time

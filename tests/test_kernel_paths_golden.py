@@ -24,6 +24,7 @@ def test_golden_case_on_the_kernel_paths(case, monkeypatch):
     monkeypatch.setattr(K, "use_pallas", lambda: True)     # the GPU default's choices, on any backend
     monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")  # grouped_qmatmul through the Pallas interpreter
     monkeypatch.setenv("DSV41_SINKHORN", "interpret")
+    monkeypatch.setenv("DSV41_TOPK_KERNEL", "interpret")  # the decode indexer's ranking top-k (kernels.topk)
     monkeypatch.setenv("DSV41_MOE_PATH", "pallas")          # the golden models have 6 experts (auto: > 16)
     res = run_case(os.path.join(GOLDEN, case), ("prefill", "decode"), log=lambda s: None)
     failed = [f"{r.kind} {r.name}: {r.detail}" for r in res if r.ok is False]

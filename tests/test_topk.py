@@ -76,3 +76,44 @@ def test_candidate_blocks_keep_the_same_blocks():
     vals, idx = jax.lax.top_k(blocks, 4)
     keep = jnp.any(jax.nn.one_hot(idx, 13, dtype=bool) & (vals > -jnp.inf)[..., None], axis=-2)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.repeat(keep, 16, -1)[..., :200]))
+
+
+# ------------------------------------------------------------------------------ the ranking kernel
+KERNEL_SHAPES = [((1, 4160), 512), ((2, 300), 64), ((3, 17), 17), ((1, 1, 33), 5), ((4, 40), 1), ((2, 2080), 512)]
+
+
+@pytest.mark.parametrize("shape,k", KERNEL_SHAPES, ids=[f"{s}-k{k}" for s, k in KERNEL_SHAPES])
+def test_topk_kernel_equals_lax_top_k(shape, k):
+    """``kernels.topk.topk_ascending`` in the Pallas interpreter picks exactly lax.top_k's
+    indices (ties to the lower index, -0 < +0, -inf entries), ascending; rows and lengths that
+    are not multiples of its tiles."""
+    from dsv41_jax.kernels.topk import topk_ascending
+
+    x = _scores(np.random.default_rng(sum(shape) + k), shape)
+    got = topk_ascending(x, k, impl="interpret", bi=32, bj=64)
+    assert got.dtype == jnp.int32 and got.shape == (*shape[:-1], k)
+    np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(jax.lax.top_k(x, k)[1]), axis=-1))
+
+
+def test_topk_kernel_switch(monkeypatch):
+    """``top_k_indices_ascending`` takes the kernel up to ``MAX_ROWS`` rows where the switch says
+    so (interpret here), XLA above it or with ``DSV41_TOPK_KERNEL=0``; a bad value is one error."""
+    from dsv41_jax.kernels import topk
+
+    calls = []
+    real = topk._pallas
+    monkeypatch.setattr(topk, "_pallas", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    few, many = _scores(np.random.default_rng(1), (topk.MAX_ROWS, 50)), _scores(np.random.default_rng(2), (9, 50))
+    monkeypatch.setenv("DSV41_TOPK_KERNEL", "interpret")
+    for x in (few, many):
+        np.testing.assert_array_equal(np.asarray(L.top_k_indices_ascending(x, 7)),
+                                      np.sort(np.asarray(jax.lax.top_k(x, 7)[1]), axis=-1))
+    assert calls == [(topk.MAX_ROWS, 50)]
+    monkeypatch.setenv("DSV41_TOPK_KERNEL", "0")
+    L.top_k_indices_ascending(few, 7)
+    assert len(calls) == 1
+    monkeypatch.setenv("DSV41_TOPK_KERNEL", "yes")
+    with pytest.raises(ValueError, match="DSV41_TOPK_KERNEL"):
+        L.top_k_indices_ascending(few, 7)
+    with pytest.raises(ValueError, match="k=51"):
+        topk.topk_ascending(few, 51, impl="interpret")

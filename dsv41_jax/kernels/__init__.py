@@ -6,7 +6,7 @@ from dsv41_jax.kernels.mhc_mix import hc_mix_sums, hc_mix_sums_reference
 from dsv41_jax.kernels.qmatmul import (dequantize, grouped_qmatmul, grouped_qmatmul_fused, grouped_qmatmul_multi,
                                       grouped_qmatmul_reference, kernel_impl, offsets_fit)
 
-__all__ = ["auto_split", "dequantize", "fused_launches", "grouped_qmatmul", "grouped_qmatmul_fused",
+__all__ = ["auto_split", "kernel_switch", "dequantize", "fused_launches", "grouped_qmatmul", "grouped_qmatmul_fused",
            "grouped_qmatmul_multi", "grouped_qmatmul_reference", "hc_mix_sums", "hc_mix_sums_reference",
            "indexer_scores", "indexer_scores_reference", "kernel_impl", "offsets_fit", "use_pallas"]
 
@@ -62,3 +62,17 @@ def auto_split(*axes: str) -> bool:
     sizes = {str(a): int(n) for a, n in dict(m.shape).items()}
     return any(n > 1 and not _manual(m, a) for a, n in sizes.items() if not axes or a in axes)
 
+
+
+def kernel_switch(var: str) -> str | None:
+    """The implementation an on/off environment switch of a decode kernel selects, read at trace
+    time: ``1`` (default): ``"triton"`` where ``use_pallas()`` holds and no mesh partitioner
+    would have to gather the kernel's operands (``auto_split``), else None (XLA); ``0``: None
+    (always XLA, for A/B runs); ``interpret``: the Pallas interpreter on any backend (tests).
+    The caller still checks that the kernel applies to its shapes."""
+    mode = os.environ.get(var, "1")
+    if mode not in ("0", "1", "interpret"):
+        raise ValueError(f"{var}={mode!r}: use 1 (the kernel where it applies, the default), 0 or interpret")
+    if mode == "interpret":
+        return "interpret"
+    return "triton" if mode == "1" and use_pallas() and not auto_split() else None

@@ -332,18 +332,11 @@ def norm_quant_impl(x, rows: int):
     where ``kernels.use_pallas()`` holds and no mesh partitioner would have to gather its
     operands (``kernels.auto_split``); ``0``: always jnp (A/B runs); ``interpret``: the kernel in
     the Pallas interpreter on any backend (tests)."""
-    from dsv41_jax.kernels import auto_split, use_pallas
+    from dsv41_jax.kernels import kernel_switch
     from dsv41_jax.kernels.norm_quant import MAX_ROWS
 
-    mode = os.environ.get("DSV41_NORM_QUANT", "1")
-    if mode not in ("0", "1", "interpret"):
-        raise ValueError(f"DSV41_NORM_QUANT={mode!r}: use 1 (the kernel where it applies, the default), 0 or "
-                         "interpret")
-    if mode == "0" or x.dtype != jnp.bfloat16 or x.shape[-1] % 32 or not 0 < rows <= MAX_ROWS:
-        return None
-    if mode == "interpret":
-        return "interpret"
-    return "triton" if use_pallas() and not auto_split() else None
+    impl = kernel_switch("DSV41_NORM_QUANT")
+    return impl if x.dtype == jnp.bfloat16 and x.shape[-1] % 32 == 0 and 0 < rows <= MAX_ROWS else None
 
 
 # ------------------------------------------------------------------------------ exact top-k
@@ -405,7 +398,21 @@ def top_k_mask(x, k: int):
 
 
 def top_k_indices_ascending(x, k: int):
-    """The indices ``lax.top_k(x, k)`` selects, in ascending order (int32 [..., k])."""
+    """The indices ``lax.top_k(x, k)`` selects, in ascending order (int32 [..., k]). Up to
+    ``kernels.topk.MAX_ROWS`` rows (decode) they come from the ranking kernel
+    ``kernels.topk.topk_ascending`` where ``DSV41_TOPK_KERNEL`` (``kernels.kernel_switch``:
+    1 default, 0, interpret) selects it; the result is the same either way."""
+    from dsv41_jax.kernels import kernel_switch
+    from dsv41_jax.kernels.topk import MAX_ROWS, topk_ascending
+
+    impl = kernel_switch("DSV41_TOPK_KERNEL")
+    if impl is not None and 0 < k <= x.shape[-1] and math.prod(x.shape[:-1]) <= MAX_ROWS:
+        return topk_ascending(x, k, impl=impl)
+    return _top_k_indices_ascending_xla(x, k)
+
+
+def _top_k_indices_ascending_xla(x, k: int):
+    """``top_k_indices_ascending`` in XLA: ranking (``RANK_TOPK_MAX``) or ``lax.top_k`` + sort."""
     if not _rank_route(x, k):
         _, i = jax.lax.top_k(x, k)
         return jnp.sort(i, axis=-1).astype(jnp.int32)

@@ -41,14 +41,9 @@ def mix_kernel_impl():
     the kernel ``impl``, or None for the XLA formulation. ``hc_mixes`` applies it to bf16
     streams: decode steps (``kernels.mhc_mix.DECODE_MAX`` tokens or fewer: ``hc_mixes_decode``)
     and chunks of at least one token block (``kernels.mhc_mix.MIN_BLOCK`` tokens)."""
-    mode = os.environ.get("DSV41_MHC_KERNEL", "1")
-    if mode not in ("0", "1", "interpret"):
-        raise ValueError(f"DSV41_MHC_KERNEL={mode!r}: use 1 (the kernel where it applies, the default), 0 or interpret")
-    if mode == "interpret":
-        return "interpret"
-    from dsv41_jax.kernels import auto_split, use_pallas
+    from dsv41_jax.kernels import kernel_switch
 
-    return "triton" if mode == "1" and use_pallas() and not auto_split() else None
+    return kernel_switch("DSV41_MHC_KERNEL")
 
 
 def _decode_pair_applies(h, fn, n: int, impl) -> bool:

@@ -1,0 +1,112 @@
+"""Exact top-k indices (ascending) of a few long rows, by ranking, in two launches.
+
+``topk_ascending(x, k)`` returns, for rows ``x [R, T]`` (fp32), the ``k`` indices
+``lax.top_k(x, k)`` selects (descending IEEE total order, ties to the lower index), sorted
+ascending, as int32 ``[R, k]``: what ``layers.top_k_indices_ascending`` forms. It is the decode
+indexer's selection (512 of up to a few thousand compressed entries, one row per token).
+
+Why: at batch 1 XLA forms that selection with a sort (``sort_1_0`` 16.5 us + three more sort and
+select kernels, 28 us in all for the 512 of 4160 entries in the run-23 profile) or, up to
+``layers.RANK_TOPK_MAX`` comparisons, with compare-and-count reductions that run at about one
+microsecond per million comparisons. Here:
+
+1. ``_rank_kernel``, grid ``(R, T / bi)``: a program holds ``bi`` entries' keys and counts, over
+   the row in ``bj``-wide chunks, the entries ranked before each (larger key, or equal key and
+   lower index). Entry ``i`` is selected iff that count is below ``k``: exactly ``k`` entries are.
+2. ``_compact_kernel``, grid ``(R,)``: the running count of the selected flags (``cumsum``) is
+   each selected entry's output slot; it stores the entry's index there (a scatter store of a
+   stable partition: selected entries, then the others; the first ``k`` slots are the result).
+
+Keys: ``layers._total_order_key`` (int32, ordered like the fp32 values under IEEE total order),
+formed by XLA in the scores' own fusion. The result equals ``lax.top_k``'s exactly (integer
+comparisons only), so the kernel is checked bit-for-bit against the jnp forms.
+
+Implementations (``impl``): ``"triton"`` (GPU), ``"interpret"`` (the Pallas interpreter; CPU
+tests), ``"xla"`` (``layers._top_k_indices_ascending_xla``: XLA's ranking or sort).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from dsv41_jax.kernels.qmatmul import _pow2_at_least
+
+_IMPLS = ("triton", "interpret", "xla")
+MAX_ROWS = 4  # rows up to which the model uses the kernel (decode at batch <= 4): R x T^2 compares
+BI, BJ = 32, 256  # entries per program x keys per step of its loop
+INT_MIN = -(2 ** 31)
+
+
+def _rank_kernel(key_ref, sel_ref, *, T: int, k: int, bi: int, bj: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    r, b = pl.program_id(0), pl.program_id(1)
+    ii = b * bi + jnp.arange(bi, dtype=jnp.int32)
+    ki = plgpu.load(key_ref.at[r, pl.ds(b * bi, bi)], mask=ii < T, other=INT_MIN)
+
+    def step(c, acc):
+        jj = c * bj + jnp.arange(bj, dtype=jnp.int32)
+        # past the row: the smallest key and a larger index than every entry, so never before one
+        kj = plgpu.load(key_ref.at[r, pl.ds(c * bj, bj)], mask=jj < T, other=INT_MIN)
+        a, bb = ki[:, None], kj[None, :]
+        before = (bb > a) | ((bb == a) & (jj[None, :] < ii[:, None]))
+        return acc + jnp.sum(before.astype(jnp.int32), axis=1)
+
+    rank = jax.lax.fori_loop(0, pl.cdiv(T, bj), step, jnp.zeros((bi,), jnp.int32))
+    plgpu.store(sel_ref.at[r, pl.ds(b * bi, bi)], (rank < k).astype(jnp.int32), mask=ii < T)
+
+
+def _compact_kernel(sel_ref, o_ref, *, T: int, k: int, tp: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    r = pl.program_id(0)
+    ii = jnp.arange(tp, dtype=jnp.int32)
+    sel = plgpu.load(sel_ref.at[r, pl.ds(0, tp)], mask=ii < T, other=0)
+    c = jnp.cumsum(sel)  # selected entries up to and including each one
+    # a stable partition of [0, tp): the selected entries first, then the others (padding last),
+    # so every slot is written once and no store needs a mask
+    slot = jnp.where(sel > 0, c - 1, k + ii - c)
+    plgpu.store(o_ref.at[r, slot], ii)
+
+
+def _pallas(keys, k: int, interpret: bool, bi: int, bj: int, num_warps: int | None):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    R, T = keys.shape
+    bi, bj = min(bi, _pow2_at_least(T)), min(bj, _pow2_at_least(T))
+
+    def params(w):
+        return {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=w, num_stages=1))
+
+    sel = pl.pallas_call(
+        functools.partial(_rank_kernel, T=T, k=k, bi=bi, bj=bj),
+        out_shape=jax.ShapeDtypeStruct((R, T), jnp.int32), grid=(R, pl.cdiv(T, bi)), interpret=interpret,
+        cost_estimate=pl.CostEstimate(flops=4 * R * T * T, transcendentals=0, bytes_accessed=8 * R * T),
+        name="topk_rank", **params(num_warps or 4))(keys)
+    return pl.pallas_call(
+        functools.partial(_compact_kernel, T=T, k=k, tp=_pow2_at_least(T)),
+        out_shape=jax.ShapeDtypeStruct((R, _pow2_at_least(T)), jnp.int32), grid=(R,), interpret=interpret,
+        cost_estimate=pl.CostEstimate(flops=2 * R * T, transcendentals=0, bytes_accessed=8 * R * T),
+        name="topk_compact", **params(8))(sel)[:, :k]
+
+
+def topk_ascending(x, k: int, *, impl: str = "triton", bi: int = BI, bj: int = BJ, num_warps: int | None = None):
+    """The ``k`` indices ``lax.top_k(x, k)`` picks from each row of ``x [..., T]``, ascending
+    (int32 ``[..., k]``); see the module docstring. ``impl``: ``triton``, ``interpret`` or ``xla``."""
+    from dsv41_jax.model.layers import _top_k_indices_ascending_xla, _total_order_key
+
+    if impl not in _IMPLS:
+        raise ValueError(f"topk_ascending: impl {impl!r} not in {_IMPLS}")
+    T = x.shape[-1]
+    if not 0 < k <= T:
+        raise ValueError(f"topk_ascending: k={k} for rows of {T} entries: want 0 < k <= {T}")
+    if impl == "xla":
+        return _top_k_indices_ascending_xla(x, k)
+    lead = x.shape[:-1]
+    keys = _total_order_key(x).reshape(-1, T)
+    return _pallas(keys, k, impl == "interpret", bi, bj, num_warps).reshape(*lead, k)
