@@ -87,7 +87,7 @@ def part_topk(T: int, tag: str, k: int = 512):
             f = jax.jit(lambda x: topk_ascending(x, k, impl="xla"))
             report("topk", dict(tokens=T, entries=n, impl="xla", rank_max=int(limit)), kernel_times(f, (x,)), tag)
         os.environ.pop("DSV41_RANK_TOPK_MAX")
-        for bi, bj, nw in ((32, 256, 4), (16, 256, 4), (64, 256, 8), (32, 512, 4), (32, 128, 4), (16, 512, 2)):
+        for bi, bj, nw in ((32, 256, 4), (16, 256, 4), (64, 128, 4), (32, 128, 4), (16, 128, 2), (64, 256, 8), (16, 512, 4)):
             f = jax.jit(lambda x, v=(bi, bj, nw): topk_ascending(x, k, impl="triton", bi=v[0], bj=v[1], num_warps=v[2]))
             report("topk", dict(tokens=T, entries=n, bi=bi, bj=bj, num_warps=nw), kernel_times(f, (x,)), tag)
 

@@ -10,11 +10,11 @@ candidate mask) goes through the ``ctx`` dict of the current forward.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dsv41_jax.config import LayerPlan, TextConfig
@@ -289,7 +289,7 @@ class Attention(nnx.Module):
             lc = einsum("bshd,bskd->bshk", qd, kcd, preferred_element_type=F32)
             lc = jnp.where(kc_ok[:, :, None, :], lc * scale, NEG_INF)
             parts.append(lc)
-        mx = jnp.maximum(jnp.max(jnp.concatenate(parts, -1), axis=-1), -1e30)
+        mx = jnp.maximum(functools.reduce(jnp.maximum, [jnp.max(p, axis=-1) for p in parts]), -1e30)  # no concat
         sink = self.attn_sink[...].astype(F32)
         pw = jnp.exp(lw - mx[..., None])
         den = jnp.sum(pw, -1)
@@ -345,9 +345,7 @@ class Attention(nnx.Module):
             from dsv41_jax.kernels import grouped_qmatmul
 
             xg = jnp.swapaxes(o.reshape(T, G, K), 0, 1).reshape(G * T, K)  # block g = group g's rows
-            # the block -> group map as a constant (np): a jnp iota feeding the custom call would be
-            # an XLA kernel of its own every step (wrapped_iota, ~0.8 us per layer in the run-23 profile)
-            y = grouped_qmatmul(xg, np.arange(G, dtype=np.int32), G,
+            y = grouped_qmatmul(xg, jnp.arange(G, dtype=jnp.int32), G,
                                 self.wo_a.weight[...].reshape(G, self.o_rank, K),
                                 self.wo_a.scale[...].reshape(G, self.o_rank, K // 32), bm=T, out_dtype=dt)
             return jnp.swapaxes(y.reshape(G, T, self.o_rank), 0, 1).reshape(B, S, G, self.o_rank)
@@ -366,7 +364,7 @@ class Attention(nnx.Module):
         Returns (out [B,S,D], new layer cache, new ctx)."""
         dt = self.numerics.dtype
         B, S, _ = x.shape
-        H, d, W = self.n_heads, self.head_dim, self.window
+        H, d = self.n_heads, self.head_dim
         freqs = self._freqs()
         qa, kv = fused_linears(x, (self.wq_a, self.wkv), xq=xq)  # one launch on the decode kernel path
         iq = None  # the indexer's query projection reads qr too: one launch with wq_b where that fuses
@@ -384,12 +382,20 @@ class Attention(nnx.Module):
         if self.numerics.fake_quant:
             kv = quant.fq_fp8(kv, 32)
 
-        # window keys: the ring (positions before this chunk) followed by this chunk
+        # window keys: the ring (positions before this chunk) followed by this chunk. A one-token
+        # step whose ring stores kv's own dtype writes the ring first and attends over the ring
+        # alone: the same keys unmasked (the slot it overwrites, position pos - W, is outside the
+        # window), without two concatenations per layer (~2 us each in the batch-1 profile)
         cpos = jnp.where(valid, pos, -1)
-        kw = jnp.concatenate([cache["win_kv"].astype(dt), kv], axis=1)
-        kpos = jnp.concatenate([cache["win_pos"], cpos], axis=1)
-
         cache = dict(cache)
+        ring_first = S == 1 and cache["win_kv"].dtype == kv.dtype
+        if ring_first:
+            cache["win_kv"], cache["win_pos"] = self._ring_update(cache, pos, valid, cpos, kv)
+            kw, kpos = cache["win_kv"].astype(dt), cache["win_pos"]
+        else:
+            kw = jnp.concatenate([cache["win_kv"].astype(dt), kv], axis=1)
+            kpos = jnp.concatenate([cache["win_pos"], cpos], axis=1)
+
         kc = kc_ok = None
         if self.plan.ratio > 0:
             if self.plan.owns_compressor:
@@ -402,10 +408,14 @@ class Attention(nnx.Module):
         o = self._grouped_out(o.reshape(B, S, self.n_groups, -1).astype(dt))
         out = self.wo_b(o.reshape(B, S, self.n_groups * self.o_rank))
 
-        # ring update: the last W valid tokens of the chunk, slot = pos mod W
+        if not ring_first:
+            cache["win_kv"], cache["win_pos"] = self._ring_update(cache, pos, valid, cpos, kv)
+        return out, cache, ctx
+
+    def _ring_update(self, cache, pos, valid, cpos, kv):
+        """The window ring after this chunk: its last W valid tokens, slot = pos mod W."""
+        W = self.window
         last = jnp.max(cpos, axis=1)
         keep = valid & (pos > last[:, None] - W)
         slot = jnp.where(keep, pos % W, W)
-        cache["win_kv"] = _scatter_rows(cache["win_kv"], slot, kv)
-        cache["win_pos"] = _scatter_rows(cache["win_pos"], slot, pos)
-        return out, cache, ctx
+        return _scatter_rows(cache["win_kv"], slot, kv), _scatter_rows(cache["win_pos"], slot, pos)
