@@ -542,6 +542,9 @@ def bench_decode(model, cfg, batches, ctx, moe_path="auto", tag="engram_table_on
             emit(what="decode_step", batch=B, moe_path=moe_path, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
+WARM_S = 2.0  # seconds of decode loops before each timed batch size (bench_decode_loop)
+
+
 def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=None, roofline=None):
     """Per-token decode time as users get it: ``generate``'s on-device while_loop (sampling,
     stop checks and the model step per iteration; one dispatch per request). Times the loop
@@ -585,7 +588,12 @@ def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=No
                 steps = int(out.step)
                 return time.perf_counter() - t1, steps
 
-            run(n_tokens)  # warm-up
+            # warm-up: loops for at least WARM_S seconds, so the GPU leaves its idle clocks (after the
+            # compile) before timing. Run 24 measured the first of three same-process variants of
+            # batch 1 35-60 us slower than a later repeat of the same code after one warm-up loop.
+            t_warm = time.perf_counter() + WARM_S
+            while time.perf_counter() < t_warm:
+                run(n_tokens)
             long = [run(n_tokens) for _ in range(3)]
             short = [run(8) for _ in range(3)]
             tl = float(np.median([x[0] for x in long]))

@@ -93,6 +93,9 @@ def test_topk_kernel_equals_lax_top_k(shape, k):
     got = topk_ascending(x, k, impl="interpret", bi=32, bj=64)
     assert got.dtype == jnp.int32 and got.shape == (*shape[:-1], k)
     np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(jax.lax.top_k(x, k)[1]), axis=-1))
+    xb = x.astype(jnp.bfloat16)  # bf16 scores (the reference numerics' compute dtype), default tiles
+    got = topk_ascending(xb, k, impl="interpret")
+    np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(jax.lax.top_k(xb, k)[1]), axis=-1))
 
 
 def test_topk_kernel_switch(monkeypatch):

@@ -18,7 +18,7 @@ microsecond per million comparisons. Here:
    stable partition: selected entries, then the others; the first ``k`` slots are the result).
 
 Keys: ``layers._total_order_key`` (int32, ordered like the fp32 values under IEEE total order),
-formed by XLA in the scores' own fusion. The result equals ``lax.top_k``'s exactly (integer
+formed in the kernel from the scores as loaded (bf16 or fp32). The result equals ``lax.top_k``'s exactly (integer
 comparisons only), so the kernel is checked bit-for-bit against the jnp forms.
 
 Implementations (``impl``): ``"triton"`` (GPU), ``"interpret"`` (the Pallas interpreter; CPU
@@ -35,23 +35,35 @@ from dsv41_jax.kernels.qmatmul import _pow2_at_least
 
 _IMPLS = ("triton", "interpret", "xla")
 MAX_ROWS = 4  # rows up to which the model uses the kernel (decode at batch <= 4): R x T^2 compares
-BI, BJ = 32, 256  # entries per program x keys per step of its loop
+TILE = 8192  # entries per program x keys per step of its loop (the [bi, bj] tile of counts)
 INT_MIN = -(2 ** 31)
 
 
-def _rank_kernel(key_ref, sel_ref, *, T: int, k: int, bi: int, bj: int):
+def _keys(x_ref, r, start, n: int, T: int):
+    """(indices, total-order keys) of entries ``start .. start + n - 1`` of row ``r``; past the row
+    the smallest key (with an index above every entry's, such a key is never before one)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    from dsv41_jax.model.layers import _total_order_key
+
+    idx = start + jnp.arange(n, dtype=jnp.int32)
+    v = plgpu.load(x_ref.at[r, pl.ds(start, n)], mask=idx < T, other=0)
+    return idx, jnp.where(idx < T, _total_order_key(v), INT_MIN)
+
+
+def _rank_kernel(x_ref, sel_ref, *, T: int, k: int, bi: int, bj: int):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
     r, b = pl.program_id(0), pl.program_id(1)
     i0 = b * bi
-    ii = i0 + jnp.arange(bi, dtype=jnp.int32)
-    ki = plgpu.load(key_ref.at[r, pl.ds(i0, bi)], mask=ii < T, other=INT_MIN)[:, None]
+    ii, ki = _keys(x_ref, r, i0, bi, T)
+    ki = ki[:, None]
 
     def keys(c):
-        jj = c * bj + jnp.arange(bj, dtype=jnp.int32)
-        # past the row: the smallest key with a larger index than every entry, so never before one
-        return jj, plgpu.load(key_ref.at[r, pl.ds(c * bj, bj)], mask=jj < T, other=INT_MIN)[None, :]
+        jj, kj = _keys(x_ref, r, c * bj, bj, T)
+        return jj, kj[None, :]
 
     # The counts stay per lane ([bi, bj] int32) and are summed once at the end: a cross-lane sum
     # per step made the first version 3-5x slower (run 24). Chunks wholly below the block count the
@@ -91,11 +103,14 @@ def _compact_kernel(sel_ref, o_ref, *, T: int, k: int, tp: int):
     plgpu.store(o_ref.at[r, slot], ii)
 
 
-def _pallas(keys, k: int, interpret: bool, bi: int, bj: int, num_warps: int | None):
+def _pallas(x, k: int, interpret: bool, bi: int | None, bj: int | None, num_warps: int | None):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    R, T = keys.shape
+    R, T = x.shape
+    if bi is None:  # run 24 (sweep_decode_glue.py): 16 x 512 best at one row, 64 x 128 at four
+        bi = min(16 * _pow2_at_least(R), 64)
+    bj = bj or TILE // bi
     bi, bj = min(bi, _pow2_at_least(T)), min(bj, _pow2_at_least(T))
 
     def params(w):
@@ -104,8 +119,8 @@ def _pallas(keys, k: int, interpret: bool, bi: int, bj: int, num_warps: int | No
     sel = pl.pallas_call(
         functools.partial(_rank_kernel, T=T, k=k, bi=bi, bj=bj),
         out_shape=jax.ShapeDtypeStruct((R, T), jnp.int32), grid=(R, pl.cdiv(T, bi)), interpret=interpret,
-        cost_estimate=pl.CostEstimate(flops=4 * R * T * T, transcendentals=0, bytes_accessed=8 * R * T),
-        name="topk_rank", **params(num_warps or 4))(keys)
+        cost_estimate=pl.CostEstimate(flops=4 * R * T * T, transcendentals=0, bytes_accessed=x.nbytes + 4 * R * T),
+        name="topk_rank", **params(num_warps or 4))(x)
     return pl.pallas_call(
         functools.partial(_compact_kernel, T=T, k=k, tp=_pow2_at_least(T)),
         out_shape=jax.ShapeDtypeStruct((R, _pow2_at_least(T)), jnp.int32), grid=(R,), interpret=interpret,
@@ -113,10 +128,11 @@ def _pallas(keys, k: int, interpret: bool, bi: int, bj: int, num_warps: int | No
         name="topk_compact", **params(8))(sel)[:, :k]
 
 
-def topk_ascending(x, k: int, *, impl: str = "triton", bi: int = BI, bj: int = BJ, num_warps: int | None = None):
+def topk_ascending(x, k: int, *, impl: str = "triton", bi: int | None = None, bj: int | None = None,
+                   num_warps: int | None = None):
     """The ``k`` indices ``lax.top_k(x, k)`` picks from each row of ``x [..., T]``, ascending
     (int32 ``[..., k]``); see the module docstring. ``impl``: ``triton``, ``interpret`` or ``xla``."""
-    from dsv41_jax.model.layers import _top_k_indices_ascending_xla, _total_order_key
+    from dsv41_jax.model.layers import _top_k_indices_ascending_xla
 
     if impl not in _IMPLS:
         raise ValueError(f"topk_ascending: impl {impl!r} not in {_IMPLS}")
@@ -126,5 +142,4 @@ def topk_ascending(x, k: int, *, impl: str = "triton", bi: int = BI, bj: int = B
     if impl == "xla":
         return _top_k_indices_ascending_xla(x, k)
     lead = x.shape[:-1]
-    keys = _total_order_key(x).reshape(-1, T)
-    return _pallas(keys, k, impl == "interpret", bi, bj, num_warps).reshape(*lead, k)
+    return _pallas(x.reshape(-1, T), k, impl == "interpret", bi, bj, num_warps).reshape(*lead, k)
