@@ -545,6 +545,35 @@ def bench_decode(model, cfg, batches, ctx, moe_path="auto", tag="engram_table_on
 WARM_S = 2.0  # seconds of decode loops before each timed batch size (bench_decode_loop)
 
 
+def decode_loop_runner(model, cfg, B: int, ctx: int, n_tokens: int):
+    """``(compiled, fresh, compile_s)``: ``generate``'s decode-loop executable for batch ``B`` at
+    context ``ctx`` (``n_tokens`` slots of output) and ``fresh(limit)``, its arguments with a new
+    cache (the loop donates it) that stop after ``limit`` tokens. Shared with
+    ``profile_step.py --targets loop:B``."""
+    from dsv41_jax.generate import DecodeState, _executable, _placed, _split_flat
+    from dsv41_jax.sampling import SamplingParams
+    from dsv41_jax.sharding import mesh_of
+
+    graphdef, state = _split_flat(model)
+    mesh = mesh_of(state)
+    V = cfg.text.vocab_size
+
+    def fresh(limit):
+        cache = model.init_cache(B, ctx + n_tokens + 64)
+        cache = dict(cache, length=jnp.full((B,), ctx, jnp.int32))
+        logits = jax.random.normal(jax.random.key(5 + B), (B, V), jnp.float32)
+        ds = DecodeState(tokens=jnp.full((B, n_tokens), -1, jnp.int32), logits=logits,
+                         step=jnp.asarray(0, jnp.int32), done=jnp.zeros((B,), bool),
+                         count=jnp.zeros((B,), jnp.int32), finish=jnp.zeros((B,), jnp.int32),
+                         cache=cache, key=jax.random.PRNGKey(0))
+        return _placed(mesh, "decode_loop", (state, ds, SamplingParams.greedy(B).pad(B), jnp.zeros((V,), bool),
+                                             jnp.zeros((V,), bool), jnp.full((B,), n_tokens, jnp.int32),
+                                             jnp.asarray(limit, jnp.int32)))
+
+    compiled, compile_s = _executable("decode_loop", graphdef, fresh(n_tokens), mesh)
+    return compiled, fresh, compile_s
+
+
 def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=None, roofline=None):
     """Per-token decode time as users get it: ``generate``'s on-device while_loop (sampling,
     stop checks and the model step per iteration; one dispatch per request). Times the loop
@@ -556,29 +585,14 @@ def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=No
     if n_tokens <= 8:
         raise ValueError(f"decode loop: {n_tokens} tokens per timed loop; it must exceed the 8-token loop it is "
                          "compared with (--loop-tokens)")
-    from dsv41_jax.generate import DecodeState, _executable, _placed, _split_flat, clear_compiled
-    from dsv41_jax.sampling import SamplingParams
+    from dsv41_jax.generate import _split_flat, clear_compiled
     from dsv41_jax.sharding import mesh_of
 
-    graphdef, state = _split_flat(model)
-    mesh = mesh_of(state)
+    mesh = mesh_of(_split_flat(model)[1])
     t = cfg.text
-    V = t.vocab_size
     for B in batches:
         try:
-            def fresh(limit):
-                cache = model.init_cache(B, ctx + n_tokens + 64)
-                cache = dict(cache, length=jnp.full((B,), ctx, jnp.int32))
-                logits = jax.random.normal(jax.random.key(5 + B), (B, V), jnp.float32)
-                ds = DecodeState(tokens=jnp.full((B, n_tokens), -1, jnp.int32), logits=logits,
-                                 step=jnp.asarray(0, jnp.int32), done=jnp.zeros((B,), bool),
-                                 count=jnp.zeros((B,), jnp.int32), finish=jnp.zeros((B,), jnp.int32),
-                                 cache=cache, key=jax.random.PRNGKey(0))
-                return _placed(mesh, "decode_loop", (state, ds, SamplingParams.greedy(B).pad(B), jnp.zeros((V,), bool),
-                                                     jnp.zeros((V,), bool), jnp.full((B,), n_tokens, jnp.int32),
-                                                     jnp.asarray(limit, jnp.int32)))
-
-            compiled, compile_s = _executable("decode_loop", graphdef, fresh(n_tokens), mesh)
+            compiled, fresh, compile_s = decode_loop_runner(model, cfg, B, ctx, n_tokens)
 
             def run(limit):
                 args = fresh(limit)

@@ -145,7 +145,9 @@ def timeline(xplane_path: str, hlo_text: str, steps: int, step: int | None = Non
     evs = sorted(kernel_events(xplane_path)[0], key=lambda e: e[2])
     n = len(evs) // steps
     step = steps // 2 if step is None else step
-    rows, prev, t0 = [], None, None
+    rows, t0 = [], None
+    before = evs[n * step - 1] if 0 < step and n else None  # the previous step's last kernel: its gap shows too
+    prev = before[2] + before[3] if before else None
     for name, op, start, dur in evs[n * step: n * (step + 1)]:
         where = kernel_source(src, name, op)
         t0 = start if t0 is None else t0
@@ -155,11 +157,14 @@ def timeline(xplane_path: str, hlo_text: str, steps: int, step: int | None = Non
     return ["    start      dur    gap  kernel                                       source"] + rows
 
 
-def profile(fn, args, steps: int, name: str, out_dir: str | None, hlo_text: str, donate_cache: bool):
+def profile(fn, args, steps: int, name: str, out_dir: str | None, hlo_text: str, donate_cache: bool,
+            warmup: int = 3, steps_per_call: int = 1):
+    """Trace ``steps`` calls of ``fn(*args)`` (after ``warmup`` untraced ones); the summary counts
+    ``steps * steps_per_call`` steps (a decode loop call holds ``steps_per_call`` steps)."""
     import jax
 
     res = None
-    for _ in range(3):
+    for _ in range(warmup):
         res = fn(*args)
         if donate_cache:
             args = (*args[:1], res[1], *args[2:])
@@ -174,7 +179,7 @@ def profile(fn, args, steps: int, name: str, out_dir: str | None, hlo_text: str,
         jax.block_until_ready(res)
     wall = time.perf_counter() - t0
     pb = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0]
-    summ = summarize(pb, hlo_text, steps, wall)
+    summ = summarize(pb, hlo_text, steps * steps_per_call, wall)
     if out_dir and SAVE_RAW and isinstance(hlo_text, str):
         shutil.copy(pb, os.path.join(out_dir, f"{name}.xplane.pb"))
         with gzip.open(os.path.join(out_dir, f"{name}.hlo.txt.gz"), "wt") as f:
@@ -229,16 +234,36 @@ def profile_vit(model, cfg, tokens: int, tag: str, env: dict, dump_dir: str | No
         bs.emit(what="profile", target=f"vit:{tokens}", env=env, error=f"{type(e).__name__}: {str(e)[:400]}")
 
 
+def profile_loop(model, cfg, B: int, ctx: int, tokens: int, tag: str, env: dict):
+    """``generate``'s whole decode loop (``bench_slice.decode_loop_runner``) for ``tokens`` tokens
+    at batch ``B``, traced once: per-token kernel time against the loop's span shows what the loop
+    adds to the step (sampling, the loop condition, idle time between iterations); ``--timeline``
+    on the saved trace lists the middle iteration, its first gap included."""
+    import jax
+
+    compiled, fresh, compile_s = bs.decode_loop_runner(model, cfg, B, ctx, tokens)
+    for _ in range(3):
+        jax.block_until_ready(compiled(*fresh(tokens)))
+    args = fresh(tokens)
+    jax.block_until_ready(args[1:])
+    name = f"loop{B}" + (f"_{tag}" if tag else "")
+    summ, _ = profile(lambda *xs: compiled(*xs), args, 1, name, os.environ.get("OUT"), compiled.as_text() or "",
+                      donate_cache=False, warmup=0, steps_per_call=tokens)
+    bs.emit(what="profile", target=f"loop:{B}", tokens=tokens, env=env, compile_s=compile_s, **summ)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--router", default="balanced", choices=("balanced", "random"),
                     help="the routers' biases balanced on a calibration prompt (bench_slice.balance_router) or as drawn")
     ap.add_argument("--targets", default="decode:1",
-                    help="decode:BATCH / prefill:TOKENS / vit:IMAGE_TOKENS (bf16 attention mode), comma separated")
+                    help="decode:BATCH / loop:BATCH (generate's whole decode loop) / prefill:TOKENS / "
+                         "vit:IMAGE_TOKENS (bf16 attention mode), comma separated")
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--loop-tokens", type=int, default=16, help="tokens of the traced loop (loop:B targets)")
     ap.add_argument("--engram-rows", type=int, default=80_000_000)
     ap.add_argument("--experts", default="int8", choices=["bf16", "int8"])
     ap.add_argument("--dense", default="fp8", choices=["bf16", "fp8"])
@@ -253,7 +278,7 @@ def main():
             name = os.path.basename(pb)[: -len(".xplane.pb")]
             hp = os.path.join(a.analyze, name + ".hlo.txt.gz")
             hlo = gzip.open(hp, "rt").read() if os.path.exists(hp) else ""
-            steps = 1 if name.startswith("prefill") else a.steps
+            steps = 1 if name.startswith("prefill") else (a.loop_tokens if name.startswith("loop") else a.steps)
             if a.timeline:
                 print(f"# {name}\n" + "\n".join(timeline(pb, hlo, steps)))
                 continue
@@ -299,6 +324,9 @@ def main():
         n = int(n)
         if kind == "vit":
             profile_vit(model, cfg, n, a.tag, env, dump_dir)
+            continue
+        if kind == "loop":
+            profile_loop(model, cfg, n, a.ctx, a.loop_tokens, a.tag, env)
             continue
         fn = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,))
         if kind == "decode":

@@ -61,7 +61,8 @@ def test_dumped_sources_read_an_xla_dump(tmp_path):
 
 def test_timeline_lists_one_step_in_launch_order(monkeypatch):
     """``--analyze DIR --timeline``: one step's kernels by start time, with durations, the idle gap
-    before each and the source line of its fusion (``loop_add_fusion_3`` is HLO
+    before each (the first one's from the previous step's last kernel: the idle time between the
+    iterations of a decode loop) and the source line of its fusion (``loop_add_fusion_3`` is HLO
     ``loop_add_fusion.3``); the trace side is replaced by synthetic events (no GPU here)."""
     tool = _tool()
     hlo = ('%loop_add_fusion.3 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, calls=%c, '
@@ -73,7 +74,9 @@ def test_timeline_lists_one_step_in_launch_order(monkeypatch):
     rows = tool.timeline("unused.xplane.pb", hlo, steps=2, step=1)
     assert rows[0].split()[:4] == ["start", "dur", "gap", "kernel"]
     first, second = rows[1].split(), rows[2].split()
-    assert first[:4] == ["0.00", "4.00", "0.00", "gemv"]
+    # its gap: from the end of the previous step's last kernel (6 us) to its start (20 us)
+    assert first[:4] == ["0.00", "4.00", "14.00", "gemv"]
+    assert tool.timeline("unused.xplane.pb", hlo, steps=2, step=0)[1].split()[2] == "0.00"  # no step before
     # starts 5 us after the step's first kernel, 1 us after the GEMV ended, 2 us long
     assert second[:4] == ["5.00", "2.00", "1.00", "loop_add_fusion_3"]
     assert "model.py:12 [add]" in rows[2]
