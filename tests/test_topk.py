@@ -99,8 +99,9 @@ def test_topk_kernel_equals_lax_top_k(shape, k):
 
 
 def test_topk_kernel_switch(monkeypatch):
-    """``top_k_indices_ascending`` takes the kernel up to ``MAX_ROWS`` rows where the switch says
-    so (interpret here), XLA above it or with ``DSV41_TOPK_KERNEL=0``; a bad value is one error."""
+    """``top_k_indices_ascending`` takes the kernel up to ``MAX_ROWS`` rows of ``MAX_ENTRIES``
+    entries where the switch says so (interpret here), XLA above either or with
+    ``DSV41_TOPK_KERNEL=0``; a bad value is one error."""
     from dsv41_jax.kernels import topk
 
     calls = []
@@ -112,6 +113,10 @@ def test_topk_kernel_switch(monkeypatch):
         np.testing.assert_array_equal(np.asarray(L.top_k_indices_ascending(x, 7)),
                                       np.sort(np.asarray(jax.lax.top_k(x, 7)[1]), axis=-1))
     assert calls == [(topk.MAX_ROWS, 50)]
+    long = _scores(np.random.default_rng(3), (1, topk.MAX_ENTRIES + 1))  # a long context's entries: XLA
+    np.testing.assert_array_equal(np.asarray(L.top_k_indices_ascending(long, 7)),
+                                  np.sort(np.asarray(jax.lax.top_k(long, 7)[1]), axis=-1))
+    assert len(calls) == 1
     monkeypatch.setenv("DSV41_TOPK_KERNEL", "0")
     L.top_k_indices_ascending(few, 7)
     assert len(calls) == 1

@@ -6,9 +6,9 @@ from dsv41_jax.kernels.mhc_mix import hc_mix_sums, hc_mix_sums_reference
 from dsv41_jax.kernels.qmatmul import (dequantize, grouped_qmatmul, grouped_qmatmul_fused, grouped_qmatmul_multi,
                                       grouped_qmatmul_reference, kernel_impl, offsets_fit)
 
-__all__ = ["auto_split", "kernel_switch", "dequantize", "fused_launches", "grouped_qmatmul", "grouped_qmatmul_fused",
+__all__ = ["auto_split", "dequantize", "fused_launches", "grouped_qmatmul", "grouped_qmatmul_fused",
            "grouped_qmatmul_multi", "grouped_qmatmul_reference", "hc_mix_sums", "hc_mix_sums_reference",
-           "indexer_scores", "indexer_scores_reference", "kernel_impl", "offsets_fit", "use_pallas"]
+           "indexer_scores", "indexer_scores_reference", "kernel_impl", "kernel_switch", "offsets_fit", "use_pallas"]
 
 # GPUs the Triton kernels were measured on (compute capability >= 9.0: Hopper, H200 in
 # docs/performance.md runs 5-7); elsewhere "auto" keeps the XLA paths
@@ -61,7 +61,6 @@ def auto_split(*axes: str) -> bool:
         return False
     sizes = {str(a): int(n) for a, n in dict(m.shape).items()}
     return any(n > 1 and not _manual(m, a) for a, n in sizes.items() if not axes or a in axes)
-
 
 
 def kernel_switch(var: str) -> str | None:

@@ -35,6 +35,10 @@ from dsv41_jax.kernels.qmatmul import _pow2_at_least
 
 _IMPLS = ("triton", "interpret", "xla")
 MAX_ROWS = 4  # rows up to which the model uses the kernel (decode at batch <= 4): R x T^2 compares
+# entries per row up to which it does: the compact kernel holds a row in one program (a block of
+# the next power of two), and the rank kernel's T^2 comparisons (~25 us at 8192, extrapolated from
+# run 24's 6 us at 4160) would lose to a sort somewhere above (long contexts: T = ctx / ratio)
+MAX_ENTRIES = 8192
 TILE = 8192  # entries per program x keys per step of its loop (the [bi, bj] tile of counts)
 INT_MIN = -(2 ** 31)
 
