@@ -821,6 +821,8 @@ def main():
     ap.add_argument("--loop-variants", default="",
                     help="';'-separated env settings ('A=1,B=2;C=3') under which the --decode-loop batches run again")
     ap.add_argument("--loop-tokens", type=int, default=64, help="tokens per timed decode loop")
+    ap.add_argument("--loop-rounds", type=int, default=1,
+                    help="times the default + --loop-variants list runs (rows tagged roundN when > 1)")
     a = ap.parse_args()
     if a.loop_tokens <= 8:
         ap.error("--loop-tokens must exceed 8 (the short loop it is compared with)")
@@ -864,11 +866,15 @@ def main():
          engram_rows=cfg.text.engram_num_embeddings, experts=a.experts, dense=a.dense)
     batches = [int(b) for b in a.batches.split(",")] if a.batches else []
     if a.decode_loop:
-        bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens, copy_tb_s)
-        for v in [v for v in a.loop_variants.split(";") if v]:  # same process, same weights
-            with variant(f"{a.tag} {v}".strip(), _env_pairs(v)):
-                bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens,
-                                  copy_tb_s)  # compiles afresh
+        # the default settings, then each variant (same process, same weights; each compiles afresh),
+        # the whole list --loop-rounds times: run 24 found the first loop a process times 35-60 us
+        # slower than the same code timed later, so compare variants across rounds, not one pass
+        for r in range(a.loop_rounds):
+            rnd = f"round{r}" if a.loop_rounds > 1 else ""
+            for v in [""] + [v for v in a.loop_variants.split(";") if v]:
+                with variant(" ".join(w for w in (a.tag, v, rnd) if w), _env_pairs(v) if v else {}):
+                    bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens,
+                                      copy_tb_s)
         if a.router == "ab":  # the same decode loops after balancing, in this process: the routers' A/B
             with variant(f"{a.tag} balanced".strip()):
                 balance_router(model, cfg)
