@@ -188,6 +188,30 @@ def check_topk(key):
         emit(check="topk_ascending", rows=R, entries=T, k=512, equal=bool(jnp.array_equal(got, want)))
 
 
+def check_sparse_attn(key):
+    """The experimental decode attention kernel (``kernels.sparse_attn``, off by default) against the
+    model's jnp form at V4.1 decode shapes: 64 heads of 512, the 128-key ring, 512 selected
+    entries (and a window-only layer), 1 and 4 tokens."""
+    from dsv41_jax.kernels.sparse_attn import sparse_attn_decode
+    from dsv41_jax.model.attention import sparse_attn
+
+    bf = jnp.bfloat16
+    for T, K in ((1, 512), (1, 0), (4, 512)):
+        ks = jax.random.split(jax.random.fold_in(key, T * 1000 + K), 6)
+        q = jax.random.normal(ks[0], (T, 1, 64, 512), jnp.float32).astype(bf)
+        kw = jax.random.normal(ks[1], (T, 128, 512), jnp.float32).astype(bf)
+        kw_ok = jax.random.uniform(ks[2], (T, 1, 128)) < 0.9
+        kc = jax.random.normal(ks[3], (T, 1, K, 512), jnp.float32).astype(bf) if K else None
+        kc_ok = jax.random.uniform(ks[4], (T, 1, K)) < 0.9 if K else None
+        sink = jax.random.normal(ks[5], (64,), jnp.float32)
+        want = jax.jit(lambda *a: sparse_attn(*a, 512 ** -0.5, bf))(q, kw, kw_ok, kc, kc_ok, sink)
+        got = jax.jit(lambda q, kw, ok, kc, okc, s: sparse_attn_decode(
+            q.reshape(T, 64, 512), kw, ok.reshape(T, 128), None if kc is None else kc.reshape(T, K, 512),
+            None if kc is None else okc.reshape(T, K), s, 512 ** -0.5, impl="triton"))(q, kw, kw_ok, kc, kc_ok, sink)
+        emit(check="sparse_attn_decode", tokens=T, entries=K, rel_err=rel(got.reshape(want.shape), want),
+             frac_equal=float(jnp.mean(got.reshape(want.shape) == want)))
+
+
 def check_mhc_decode(key):
     """The decode mHC pair (``kernels.mhc_mix.hc_mixes_decode``: split-K sums + the per-token
     epilogue with the Sinkhorn) against ``hc_mixes``' XLA path at V4.1 width, 1, 8 and 64 tokens."""
@@ -257,3 +281,4 @@ if __name__ == "__main__":
     check_norm_quant(jax.random.key(5))
     check_mhc_decode(jax.random.key(6))
     check_topk(jax.random.key(7))
+    check_sparse_attn(jax.random.key(8))

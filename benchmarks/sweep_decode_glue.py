@@ -10,7 +10,9 @@ per program and warps; run 23 also timed a scalar form of the epilogue, since re
 act-quant (``kernels.norm_quant``) at its two V4.1 widths and several warp counts against the jnp
 form. V4.1 widths: a 4 x 5120 stream, 24 mixes, q rank 1280. The decode indexer's top-k
 (``kernels.topk``: entries per program, keys per loop step, warps) against XLA's sort and ranking
-forms at 512 of 4160 and of 2080 entries (``--parts topk``; its rows are the tokens, up to 4).
+forms at 512 of 4160 and of 2080 entries (``--parts topk``; its rows are the tokens, up to 4). The
+experimental decode attention kernel (``kernels.sparse_attn``: heads per program, keys per tile,
+warps) against XLA's form at V4.1 decode shapes (``--parts attn``).
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ import jax.numpy as jnp  # noqa: E402
 import profile_step as ps  # noqa: E402
 from dsv41_jax.kernels.mhc_mix import hc_mixes_decode  # noqa: E402
 from dsv41_jax.kernels.norm_quant import norm_quant, norm_quant_reference  # noqa: E402
+from dsv41_jax.kernels.sparse_attn import sparse_attn_decode  # noqa: E402
 from dsv41_jax.kernels.topk import MAX_ROWS, topk_ascending  # noqa: E402
+from dsv41_jax.model.attention import sparse_attn  # noqa: E402
 
 emit = bs.jsonl_emitter("sweep_decode_glue.jsonl")
 STEPS = 20
@@ -92,10 +96,29 @@ def part_topk(T: int, tag: str, k: int = 512):
             report("topk", dict(tokens=T, entries=n, bi=bi, bj=bj, num_warps=nw), kernel_times(f, (x,)), tag)
 
 
+def part_attn(T: int, tag: str, H: int = 64, d: int = 512, W: int = 128, K: int = 512):
+    bf = jnp.bfloat16
+    ks = jax.random.split(jax.random.key(T + 7), 6)
+    q = jax.random.normal(ks[0], (T, 1, H, d), jnp.float32).astype(bf)
+    kw = jax.random.normal(ks[1], (T, W, d), jnp.float32).astype(bf)
+    kw_ok = jax.random.uniform(ks[2], (T, 1, W)) < 0.9
+    kc = jax.random.normal(ks[3], (T, 1, K, d), jnp.float32).astype(bf)
+    kc_ok = jax.random.uniform(ks[4], (T, 1, K)) < 0.9
+    sink = jax.random.normal(ks[5], (H,), jnp.float32)
+    args = (q, kw, kw_ok, kc, kc_ok, sink)
+    ref = jax.jit(lambda *a: sparse_attn(*a, d ** -0.5, bf))
+    report("sparse_attn", dict(tokens=T, impl="xla"), kernel_times(ref, args), tag)
+    for hb, bk, nw in ((16, 64, 4), (16, 32, 4), (16, 128, 8), (32, 64, 8), (16, 64, 8)):
+        f = jax.jit(lambda q, kw, ok, kc, okc, s, v=(hb, bk, nw): sparse_attn_decode(
+            q.reshape(T, H, d), kw, ok.reshape(T, W), kc.reshape(T, K, d), okc.reshape(T, K), s, d ** -0.5,
+            impl="triton", hb=v[0], bk=v[1], num_warps=v[2]))
+        report("sparse_attn", dict(tokens=T, hb=hb, bk=bk, num_warps=nw), kernel_times(f, args), tag)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1,8,64")
-    ap.add_argument("--parts", default="mhc,norm,topk")
+    ap.add_argument("--parts", default="mhc,norm,topk,attn")
     ap.add_argument("--tag", default="")
     a = ap.parse_args()
     for T in [int(t) for t in a.tokens.split(",") if t]:
@@ -105,6 +128,8 @@ def main():
             part_norm(T, a.tag)
         if "topk" in a.parts:
             part_topk(T, a.tag)
+        if "attn" in a.parts:
+            part_attn(T, a.tag)
 
 
 if __name__ == "__main__":

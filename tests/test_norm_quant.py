@@ -86,7 +86,8 @@ def test_env_switch(monkeypatch):
 def test_golden_bf16_case_through_the_kernel(monkeypatch):
     """The fp8 golden case (bf16 reference numerics, fp8 Linears: the quantized inputs come from the
     kernel) with the GPU default's kernel paths (the decode mHC pair of ``kernels.mhc_mix`` and the
-    decode indexer's ``kernels.topk`` too), at the case's own tolerances."""
+    decode indexer's ``kernels.topk`` too) and the experimental ``kernels.sparse_attn``, at the
+    case's own tolerances."""
     import dsv41_jax.kernels as K
     from dsv41_jax.verify import run_case
 
@@ -95,9 +96,12 @@ def test_golden_bf16_case_through_the_kernel(monkeypatch):
         pytest.fail("golden case image_fp8 missing")
     import dsv41_jax.kernels.mhc_mix as MM
     import dsv41_jax.kernels.norm_quant as NQ
+    import dsv41_jax.kernels.sparse_attn as SA
     import dsv41_jax.kernels.topk as TK
 
-    calls, mixes, picks = [], [], []
+    calls, mixes, picks, attends = [], [], [], []
+    real_attn = SA.sparse_attn_decode
+    monkeypatch.setattr(SA, "sparse_attn_decode", lambda *a, **k: attends.append(1) or real_attn(*a, **k))
     real_topk = TK._pallas
     monkeypatch.setattr(TK, "_pallas", lambda *a, **k: picks.append(1) or real_topk(*a, **k))
     real, real_mix = NQ._pallas, MM.hc_mixes_decode
@@ -109,6 +113,7 @@ def test_golden_bf16_case_through_the_kernel(monkeypatch):
     monkeypatch.setenv("DSV41_SINKHORN", "interpret")
     monkeypatch.setenv("DSV41_MHC_KERNEL", "interpret")  # the decode mHC pair (kernels.mhc_mix) too
     monkeypatch.setenv("DSV41_TOPK_KERNEL", "interpret")
+    monkeypatch.setenv("DSV41_ATTN_KERNEL", "interpret")
     monkeypatch.setenv("DSV41_MOE_PATH", "pallas")
     res = run_case(case, ("prefill", "decode"), log=lambda s: None)
     failed = [f"{r.kind} {r.name}: {r.detail}" for r in res if r.ok is False]
@@ -116,6 +121,7 @@ def test_golden_bf16_case_through_the_kernel(monkeypatch):
     assert calls and any(calls), "the kernel never ran with quantization"
     assert mixes, "the decode mHC pair never ran"
     assert picks, "the decode top-k kernel never ran"
+    assert attends, "the decode attention kernel never ran"
 
 
 @pytest.mark.parametrize("T,D", [(1, 320), (3, 64), (8, 96)])

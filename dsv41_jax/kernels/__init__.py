@@ -63,13 +63,14 @@ def auto_split(*axes: str) -> bool:
     return any(n > 1 and not _manual(m, a) for a, n in sizes.items() if not axes or a in axes)
 
 
-def kernel_switch(var: str) -> str | None:
+def kernel_switch(var: str, default: str = "1") -> str | None:
     """The implementation an on/off environment switch of a decode kernel selects, read at trace
-    time: ``1`` (default): ``"triton"`` where ``use_pallas()`` holds and no mesh partitioner
-    would have to gather the kernel's operands (``auto_split``), else None (XLA); ``0``: None
-    (always XLA, for A/B runs); ``interpret``: the Pallas interpreter on any backend (tests).
-    The caller still checks that the kernel applies to its shapes."""
-    mode = os.environ.get(var, "1")
+    time: ``1`` (the default unless ``default`` says otherwise): ``"triton"`` where
+    ``use_pallas()`` holds and no mesh partitioner would have to gather the kernel's operands
+    (``auto_split``), else None (XLA); ``0``: None (always XLA, for A/B runs); ``interpret``:
+    the Pallas interpreter on any backend (tests). The caller still checks that the kernel
+    applies to its shapes."""
+    mode = os.environ.get(var, default)
     if mode not in ("0", "1", "interpret"):
         raise ValueError(f"{var}={mode!r}: use 1 (the kernel where it applies, the default), 0 or interpret")
     if mode == "interpret":

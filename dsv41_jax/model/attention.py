@@ -34,6 +34,35 @@ def _scatter_rows(buf, idx, vals):
     return jax.vmap(lambda b, i, v: b.at[i].set(v.astype(b.dtype), mode="drop"))(buf, idx, vals)
 
 
+def sparse_attn(q, kw, kw_ok, kc, kc_ok, sink, scale: float, dt):
+    """Softmax over window keys + selected compressed entries (K = V), sink in the denominator:
+    q [B,S,H,d], kw [B,J,d] with kw_ok [B,S,J], kc [B,S,K,d] with kc_ok [B,S,K] (or None), sink [H].
+
+    Both products take their operands in the compute dtype ``dt`` with fp32 accumulation: q, the
+    keys and the probabilities (rounded to ``dt``, as the reference does before its value
+    product) are values of that dtype, so bf16 operands give the fp32 products of the reference
+    on the tensor cores; the fp32 parity path stays fp32 (``einsum``: HIGHEST)."""
+    qd, kwd = q.astype(dt), kw.astype(dt)
+    lw = einsum("bshd,bjd->bshj", qd, kwd, preferred_element_type=F32)
+    lw = jnp.where(kw_ok[:, :, None, :], lw * scale, NEG_INF)
+    parts = [lw]
+    if kc is not None:
+        kcd = kc.astype(dt)
+        lc = einsum("bshd,bskd->bshk", qd, kcd, preferred_element_type=F32)
+        lc = jnp.where(kc_ok[:, :, None, :], lc * scale, NEG_INF)
+        parts.append(lc)
+    mx = jnp.maximum(functools.reduce(jnp.maximum, [jnp.max(p, axis=-1) for p in parts]), -1e30)  # no concat
+    pw = jnp.exp(lw - mx[..., None])
+    den = jnp.sum(pw, -1)
+    o = einsum("bshj,bjd->bshd", pw.astype(dt), kwd, preferred_element_type=F32)
+    if kc is not None:
+        pc = jnp.exp(lc - mx[..., None])
+        den = den + jnp.sum(pc, -1)
+        o = o + einsum("bshk,bskd->bshd", pc.astype(dt), kcd, preferred_element_type=F32)
+    den = den + jnp.exp(sink.astype(F32) - mx)
+    return (o / den[..., None]).astype(dt)
+
+
 def select_candidate_blocks(score, n_vis, topk_blocks: int, block: int):
     """Level one of the two-level top-k: keep the best ``topk_blocks`` blocks (block score = max
     over its positions), with the query's newest block forced in. score [..., T], n_vis [...]."""
@@ -272,34 +301,23 @@ class Attention(nnx.Module):
         return ctx
 
     def _sparse_attn(self, q, kw, kw_ok, kc, kc_ok):
-        """Softmax over window keys + selected compressed entries (K = V), sink in the denominator.
+        """Softmax over window keys + selected compressed entries (``sparse_attn``). Decode steps
+        take ``kernels.sparse_attn`` where ``DSV41_ATTN_KERNEL`` turns it on (off by default:
+        not yet measured on the GPU)."""
+        from dsv41_jax.kernels import kernel_switch
+        from dsv41_jax.kernels.sparse_attn import MAX_TOKENS, sparse_attn_decode
 
-        Both products take their operands in the compute dtype with fp32 accumulation: q, the keys
-        and the probabilities (rounded to the compute dtype, as the reference does before its
-        value product) are values of that dtype, so bf16 operands give the fp32 products of the
-        reference on the tensor cores; the fp32 parity path stays fp32 (``einsum``: HIGHEST)."""
         dt = self.numerics.dtype
         scale = self.head_dim ** -0.5
-        qd, kwd = q.astype(dt), kw.astype(dt)
-        lw = einsum("bshd,bjd->bshj", qd, kwd, preferred_element_type=F32)
-        lw = jnp.where(kw_ok[:, :, None, :], lw * scale, NEG_INF)
-        parts = [lw]
-        if kc is not None:
-            kcd = kc.astype(dt)
-            lc = einsum("bshd,bskd->bshk", qd, kcd, preferred_element_type=F32)
-            lc = jnp.where(kc_ok[:, :, None, :], lc * scale, NEG_INF)
-            parts.append(lc)
-        mx = jnp.maximum(functools.reduce(jnp.maximum, [jnp.max(p, axis=-1) for p in parts]), -1e30)  # no concat
-        sink = self.attn_sink[...].astype(F32)
-        pw = jnp.exp(lw - mx[..., None])
-        den = jnp.sum(pw, -1)
-        o = einsum("bshj,bjd->bshd", pw.astype(dt), kwd, preferred_element_type=F32)
-        if kc is not None:
-            pc = jnp.exp(lc - mx[..., None])
-            den = den + jnp.sum(pc, -1)
-            o = o + einsum("bshk,bskd->bshd", pc.astype(dt), kcd, preferred_element_type=F32)
-        den = den + jnp.exp(sink - mx)
-        return (o / den[..., None]).astype(dt)
+        B, S, H, d = q.shape
+        impl = kernel_switch("DSV41_ATTN_KERNEL", default="0")
+        if impl is not None and dt == jnp.bfloat16 and B * S <= MAX_TOKENS:
+            T = B * S
+            o = sparse_attn_decode(q.reshape(T, H, d).astype(dt), kw, kw_ok.reshape(T, -1),
+                                   None if kc is None else kc.reshape(T, -1, d),
+                                   None if kc is None else kc_ok.reshape(T, -1), self.attn_sink[...], scale, impl=impl)
+            return o.reshape(B, S, H, d)
+        return sparse_attn(q, kw, kw_ok, kc, kc_ok, self.attn_sink[...], scale, dt)
 
     def _attend(self, q, pos, kw, kpos, cmp_kv, idx):
         """Attention of the chunk's queries. Long chunks run in query blocks: block i only sees
