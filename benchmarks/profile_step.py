@@ -247,7 +247,7 @@ def profile_loop(model, cfg, B: int, ctx: int, tokens: int, tag: str, env: dict)
     args = fresh(tokens)
     jax.block_until_ready(args[1:])
     name = f"loop{B}" + (f"_{tag}" if tag else "")
-    summ, _ = profile(lambda *xs: compiled(*xs), args, 1, name, os.environ.get("OUT"), compiled.as_text() or "",
+    summ, _ = profile(compiled, args, 1, name, os.environ.get("OUT"), compiled.as_text() or "",
                       donate_cache=False, warmup=0, steps_per_call=tokens)
     bs.emit(what="profile", target=f"loop:{B}", tokens=tokens, env=env, compile_s=compile_s, **summ)
 

@@ -72,7 +72,7 @@ def kernel_switch(var: str, default: str = "1") -> str | None:
     applies to its shapes."""
     mode = os.environ.get(var, default)
     if mode not in ("0", "1", "interpret"):
-        raise ValueError(f"{var}={mode!r}: use 1 (the kernel where it applies, the default), 0 or interpret")
+        raise ValueError(f"{var}={mode!r}: use 1 (the kernel where it applies), 0 (XLA) or interpret; default {default}")
     if mode == "interpret":
         return "interpret"
     return "triton" if mode == "1" and use_pallas() and not auto_split() else None

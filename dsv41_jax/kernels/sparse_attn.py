@@ -3,7 +3,7 @@ one launch. Experimental: off by default (``DSV41_ATTN_KERNEL=1`` turns it on) u
 the GPU (docs/status.md queue item 2).
 
 ``sparse_attn_decode(q, kw, kw_ok, kc, kc_ok, sink, scale)`` computes, for each token ``t`` (batch
-row ``b = t // S``) and head ``h``, what ``Attention._sparse_attn`` computes::
+row ``b = t // S``) and head ``h``, what ``attention.sparse_attn`` computes::
 
     l_j   = scale * (q[t, h] . key_j)            fp32 products of dt operands, -inf where masked
     m     = max(max_j l_j, -1e30)
@@ -63,13 +63,12 @@ def _tiles(q, key_ref, ok_ref, row, tok, n: int, bk: int, scale: float):
 
 def _kernel(q_ref, kw_ref, okw_ref, *refs, S: int, H: int, Wn: int, K: int, hb: int, bk: int, scale: float):
     from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
 
     if K:
         kc_ref, okc_ref, sink_ref, o_ref = refs
     else:
         sink_ref, o_ref = refs
-    from jax.experimental.pallas import triton as plgpu
-
     t, hblk = pl.program_id(0), pl.program_id(1)
     h0 = hblk * hb
     hs = h0 + jnp.arange(hb, dtype=jnp.int32) < H  # heads past H (fewer than hb heads): zero rows, not stored

@@ -1,6 +1,6 @@
 """Exact top-k indices (ascending) of a few long rows, by ranking, in two launches.
 
-``topk_ascending(x, k)`` returns, for rows ``x [R, T]`` (fp32), the ``k`` indices
+``topk_ascending(x, k)`` returns, for rows ``x [R, T]`` (fp32 or bf16), the ``k`` indices
 ``lax.top_k(x, k)`` selects (descending IEEE total order, ties to the lower index), sorted
 ascending, as int32 ``[R, k]``: what ``layers.top_k_indices_ascending`` forms. It is the decode
 indexer's selection (512 of up to a few thousand compressed entries, one row per token).
