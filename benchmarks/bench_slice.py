@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import sys
@@ -545,6 +546,12 @@ def bench_decode(model, cfg, batches, ctx, moe_path="auto", tag="engram_table_on
 WARM_S = 2.0  # seconds of decode loops before each timed batch size (bench_decode_loop)
 
 
+def _sha(text) -> str:
+    """A short fingerprint of an executable's optimized HLO: two rows of the same code compiled
+    alike (kernels, autotuned configs, fusions) show the same value."""
+    return hashlib.sha1((text or "").encode()).hexdigest()[:12]
+
+
 def decode_loop_runner(model, cfg, B: int, ctx: int, n_tokens: int):
     """``(compiled, fresh, compile_s)``: ``generate``'s decode-loop executable for batch ``B`` at
     context ``ctx`` (``n_tokens`` slots of output) and ``fresh(limit)``, its arguments with a new
@@ -615,7 +622,8 @@ def bench_decode_loop(model, cfg, batches, ctx, n_tokens: int = 64, copy_tb_s=No
             per = (tl - ts) / (long[0][1] - short[0][1])
             row = dict(what="decode_loop", batch=B, ctx=ctx, layers=t.num_hidden_layers, tokens=n_tokens,
                        kernels=_kernels(), seconds_per_step=per, tokens_per_s=B / per, loop_s=tl,
-                       short_loop_s=ts, compile_s=compile_s, mesh=None if mesh is None else list(mesh.shape.values()))
+                       short_loop_s=ts, compile_s=compile_s, hlo_sha=_sha(compiled.as_text()),
+                       mesh=None if mesh is None else list(mesh.shape.values()))
             if roofline is not None:
                 row.update(roofline(B, per))
             elif copy_tb_s:

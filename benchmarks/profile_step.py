@@ -234,7 +234,7 @@ def profile_vit(model, cfg, tokens: int, tag: str, env: dict, dump_dir: str | No
         bs.emit(what="profile", target=f"vit:{tokens}", env=env, error=f"{type(e).__name__}: {str(e)[:400]}")
 
 
-def profile_loop(model, cfg, B: int, ctx: int, tokens: int, tag: str, env: dict):
+def profile_loop(model, cfg, B: int, ctx: int, tokens: int, tag: str, env: dict, rep: int = 0):
     """``generate``'s whole decode loop (``bench_slice.decode_loop_runner``) for ``tokens`` tokens
     at batch ``B``, traced once: per-token kernel time against the loop's span shows what the loop
     adds to the step (sampling, the loop condition, idle time between iterations); ``--timeline``
@@ -246,10 +246,11 @@ def profile_loop(model, cfg, B: int, ctx: int, tokens: int, tag: str, env: dict)
         jax.block_until_ready(compiled(*fresh(tokens)))
     args = fresh(tokens)
     jax.block_until_ready(args[1:])
-    name = f"loop{B}" + (f"_{tag}" if tag else "")
+    name = f"loop{B}" + (f"_{tag}" if tag else "") + (f"_rep{rep}" if rep else "")
     summ, _ = profile(compiled, args, 1, name, os.environ.get("OUT"), compiled.as_text() or "",
                       donate_cache=False, warmup=0, steps_per_call=tokens)
-    bs.emit(what="profile", target=f"loop:{B}", tokens=tokens, env=env, compile_s=compile_s, **summ)
+    bs.emit(what="profile", target=f"loop:{B}", rep=rep, tokens=tokens, env=env, compile_s=compile_s,
+            hlo_sha=bs._sha(compiled.as_text()), **summ)
 
 
 def main():
@@ -319,14 +320,16 @@ def main():
         bs.balance_router(model, cfg)
     graphdef, state = _split(model)
     env = {k: v for k, v in os.environ.items() if k.startswith(("DSV41_", "XLA_FLAGS"))}
+    seen: dict = {}
     for target in a.targets.split(","):
+        seen[target] = rep = seen.get(target, -1) + 1  # a repeated target (loop:1,loop:64,loop:1) traces again
         kind, n = target.split(":")
         n = int(n)
         if kind == "vit":
             profile_vit(model, cfg, n, a.tag, env, dump_dir)
             continue
         if kind == "loop":
-            profile_loop(model, cfg, n, a.ctx, a.loop_tokens, a.tag, env)
+            profile_loop(model, cfg, n, a.ctx, a.loop_tokens, a.tag, env, rep)
             continue
         fn = jax.jit(functools.partial(_forward, graphdef), donate_argnums=(1,))
         if kind == "decode":
