@@ -557,7 +557,7 @@ def decode_loop_runner(model, cfg, B: int, ctx: int, n_tokens: int):
     context ``ctx`` (``n_tokens`` slots of output) and ``fresh(limit)``, its arguments with a new
     cache (the loop donates it) that stop after ``limit`` tokens. Shared with
     ``profile_step.py --targets loop:B``."""
-    from dsv41_jax.generate import DecodeState, _executable, _placed, _split_flat
+    from dsv41_jax.generate import DecodeState, _executable, _placed, _split_flat, loop_options
     from dsv41_jax.sampling import SamplingParams
     from dsv41_jax.sharding import mesh_of
 
@@ -577,7 +577,8 @@ def decode_loop_runner(model, cfg, B: int, ctx: int, n_tokens: int):
                                              jnp.zeros((V,), bool), jnp.full((B,), n_tokens, jnp.int32),
                                              jnp.asarray(limit, jnp.int32)))
 
-    compiled, compile_s = _executable("decode_loop", graphdef, fresh(n_tokens), mesh)
+    # greedy rows: no vocabulary sort; the steps per exit check as generate's (DSV41_LOOP_STEPS)
+    compiled, compile_s = _executable("decode_loop", graphdef, fresh(n_tokens), mesh, loop_options(False))
     return compiled, fresh, compile_s
 
 

@@ -12,10 +12,17 @@ last valid prompt position), records it, updates the done flags (stop id sampled
 ``max_new_tokens`` reached), then runs the model on that token at the row's own position
 (``cache['length'][b]``; finished rows feed an invalid token, so their cache does not move).
 The loop exits when every row is done or the token buffer is full. ``generate_stream`` runs the
-very same compiled loop with a step limit of one step per call, so it yields exactly the tokens
-``generate`` returns for the same inputs and seed.
+same loop with a step limit of one step per call, so it yields exactly the tokens ``generate``
+returns for the same inputs and seed.
 
-Compiled executables are kept per (function, model graph, argument shapes/dtypes) in a
+Two choices are fixed per executable rather than per step (:func:`loop_options`), because on a
+GPU every data-dependent branch inside the loop is a device -> host round trip that idles the
+GPU: whether the request needs the vocabulary sort of top-k / top-p (decided on the host from
+its sampling parameters: at most two loop executables per shape, greedy / plain temperature and
+filtered), and how many decode steps run between two checks of the exit condition (``steps``;
+the extra steps of a finished loop are no-ops, the tokens are the same).
+
+Compiled executables are kept per (function, options, model graph, argument shapes/dtypes) in a
 process-wide table (``compile_stats``, ``clear_compiled``); ``buckets.precompile`` fills it ahead
 of time.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 import weakref
 from typing import Any, Iterator, Sequence
@@ -186,31 +194,53 @@ def _prefill_chunk(graphdef, state, cache, ids, valid, inputs_embeds, image_mask
     return cache, jnp.where(inside[:, None], got, prev)
 
 
-def _decode_body(graphdef, state, ds: DecodeState, params, stop_mask, banned, max_new) -> DecodeState:
-    tok = sample(ds.logits, params, ds.key, ds.step, banned=banned)
-    active = ~ds.done
+def _decode_body(graphdef, state, ds: DecodeState, params, stop_mask, banned, max_new, *, sort=None,
+                 live=None) -> DecodeState:
+    """One decode step. ``live`` (a traced bool, or None for always): False turns the step into a
+    no-op on the state (no row is active: nothing recorded, every row fed as invalid, so no
+    cache moves; the pending logits and the step are kept)."""
+    tok = sample(ds.logits, params, ds.key, ds.step, banned=banned, sort=sort)
+    active = ~ds.done if live is None else ~ds.done & live
     tok = jnp.where(active, tok, -1)
     tokens = jax.lax.dynamic_update_slice(ds.tokens, tok[:, None], (jnp.int32(0), ds.step))
+    if live is not None:  # past the buffer's end the update would clamp onto the last column
+        tokens = jnp.where(live, tokens, ds.tokens)
     count = ds.count + active.astype(jnp.int32)
     hit_stop = active & stop_mask[jnp.maximum(tok, 0)]
     hit_len = active & (count >= max_new)
     finish = jnp.where(hit_stop, 1, jnp.where(hit_len, 2, ds.finish)).astype(jnp.int32)
     done = ds.done | hit_stop | hit_len
-    feed = jnp.where(done, 0, tok)[:, None]
-    logits, cache = _forward(graphdef, state, ds.cache, feed, (~done)[:, None], None, None, None)
-    return DecodeState(tokens=tokens, logits=logits[:, 0], step=ds.step + 1, done=done, count=count,
+    run = ~done if live is None else ~done & live
+    feed = jnp.where(run, tok, 0)[:, None]
+    logits, cache = _forward(graphdef, state, ds.cache, feed, run[:, None], None, None, None)
+    logits, step = logits[:, 0], ds.step + 1
+    if live is not None:
+        logits, step = jnp.where(live, logits, ds.logits), ds.step + live.astype(jnp.int32)
+    return DecodeState(tokens=tokens, logits=logits, step=step, done=done, count=count,
                        finish=finish, cache=cache, key=ds.key)
 
 
-def _decode_loop(graphdef, state, ds: DecodeState, params, stop_mask, banned, max_new, limit):
-    """Decode until every row is done, the buffer is full, or ``step == limit``."""
+def _decode_loop(graphdef, state, ds: DecodeState, params, stop_mask, banned, max_new, limit, *, sort=None,
+                 steps: int = 1):
+    """Decode until every row is done, the buffer is full, or ``step == limit``. ``sort``:
+    :func:`sampling.sample`'s (None: decided on the device each step). ``steps``: decode steps
+    per loop iteration, i.e. per check of the exit condition (each check is a device -> host
+    round trip on a GPU): the iteration runs a fixed-count inner loop whose steps after an exit
+    point are no-ops (``_decode_body``'s ``live``), so the tokens are those of ``steps=1``."""
     end = jnp.minimum(limit, ds.tokens.shape[1])
 
     def cond(s):
         return (s.step < end) & ~jnp.all(s.done)
 
-    return jax.lax.while_loop(cond, functools.partial(_decode_body, graphdef, state, params=params,
-                                                      stop_mask=stop_mask, banned=banned, max_new=max_new), ds)
+    body = functools.partial(_decode_body, graphdef, state, params=params, stop_mask=stop_mask, banned=banned,
+                             max_new=max_new, sort=sort)
+    if steps > 1:
+        one = body
+
+        def body(s):  # a fixed trip count: XLA checks no predicate on the host between these steps
+            return jax.lax.fori_loop(0, steps, lambda _, t: one(t, live=cond(t)), s)
+
+    return jax.lax.while_loop(cond, body, ds)
 
 
 # the generation functions and their donated arguments (the cache; prefill's pending logits too)
@@ -218,9 +248,29 @@ _FUNCTIONS = {"prefill": _prefill_chunk, "decode_loop": _decode_loop}
 _DONATE = {"prefill": (1, 8), "decode_loop": (1,)}
 
 
-def _generation_jit(kind: str, graphdef, out_shardings=None):
-    return jax.jit(functools.partial(_FUNCTIONS[kind], graphdef), donate_argnums=_DONATE[kind],
+def _generation_jit(kind: str, graphdef, out_shardings=None, opts: tuple = ()):
+    return jax.jit(functools.partial(_FUNCTIONS[kind], graphdef, **dict(opts)), donate_argnums=_DONATE[kind],
                    out_shardings=out_shardings)
+
+
+LOOP_STEPS = 1  # decode steps per exit check of ``generate``'s loop (``DSV41_LOOP_STEPS`` overrides)
+
+
+def loop_options(sort: bool, stream: bool = False) -> tuple:
+    """The decode loop's static options, as ``_executable``'s ``opts``: the sampling sort decided
+    on the host (``sort``: ``SamplingParams.needs_sort`` of the request; ``DSV41_SAMPLING_BRANCHES=
+    device`` keeps the on-device decision instead: one executable for every request, two device
+    -> host round trips per step) and the steps per exit check (1 when streaming, which stops
+    after every step; else ``LOOP_STEPS``). So a request whose sort need differs from the
+    previous ones' compiles (once) an executable of its own."""
+    branches = os.environ.get("DSV41_SAMPLING_BRANCHES", "host")
+    if branches not in ("host", "device"):
+        raise ValueError(f"DSV41_SAMPLING_BRANCHES={branches!r}: expected host (the default) or device")
+    sort = None if branches == "device" else bool(sort)
+    steps = 1 if stream else int(os.environ.get("DSV41_LOOP_STEPS", LOOP_STEPS))
+    if steps < 1:
+        raise ValueError(f"DSV41_LOOP_STEPS={steps}: expected a positive number of steps")
+    return (("sort", sort), ("steps", steps))
 
 
 _EXECUTABLES: dict = {}
@@ -268,7 +318,7 @@ def _placed(mesh, kind: str, args: tuple) -> tuple:
     return (args[0], *jax.tree.map(put, rest, _arg_shardings(mesh, kind, rest)))
 
 
-def _executable(kind: str, graphdef, args: tuple, mesh=None):
+def _executable(kind: str, graphdef, args: tuple, mesh=None, opts: tuple = ()):
     """(compiled executable, compile seconds spent now) for ``kind`` at the shapes of ``args``.
 
     On a mesh (a sharded model) the arguments must come through :func:`_placed`; the outputs
@@ -276,17 +326,17 @@ def _executable(kind: str, graphdef, args: tuple, mesh=None):
     streamed loop feeds its own output back without a reshard, and the MoE traces its
     expert-parallel path under the mesh."""
     leaves, tree = jax.tree.flatten(args)
-    key = (kind, graphdef, tree, tuple(_aval_key(x) for x in leaves), mesh)
+    key = (kind, opts, graphdef, tree, tuple(_aval_key(x) for x in leaves), mesh)
     ex = _EXECUTABLES.get(key)
     if ex is not None:
         return ex, 0.0
     t0 = time.perf_counter()
     if mesh is None:
-        ex = _generation_jit(kind, graphdef).lower(*args).compile()
+        ex = _generation_jit(kind, graphdef, opts=opts).lower(*args).compile()
     else:
         out = jax.tree.map(lambda x: x.sharding, (args[1], args[8]) if kind == "prefill" else args[1])
         with shd.use_mesh(mesh):
-            ex = _generation_jit(kind, graphdef, out).lower(*args).compile()
+            ex = _generation_jit(kind, graphdef, out, opts).lower(*args).compile()
     dt = time.perf_counter() - t0
     _EXECUTABLES[key] = ex
     _STATS["compiles"] += 1
@@ -336,12 +386,15 @@ def compile_prefill(model, batch: int, chunk: int, max_len: int, *, with_embeds:
     return _executable("prefill", graphdef, args, mesh)[1]
 
 
-def compile_decode(model, batch: int, new_tokens: int, max_len: int) -> float:
-    """Compile the decode while_loop for [batch] rows, a [batch, new_tokens] buffer, cache ``max_len``."""
+def compile_decode(model, batch: int, new_tokens: int, max_len: int, *, sort: bool = False,
+                   stream: bool = False) -> float:
+    """Compile the decode while_loop for [batch] rows, a [batch, new_tokens] buffer, cache
+    ``max_len``: for requests with top-k / top-p on (``sort``) or without, for ``generate`` or
+    ``generate_stream`` (``stream``; see :func:`loop_options`)."""
     graphdef, state = _split_flat(model)
     mesh = shd.mesh_of(state)
     args = _placed(mesh, "decode_loop", (state, *_decode_avals(model, batch, new_tokens, max_len)))
-    return _executable("decode_loop", graphdef, args, mesh)[1]
+    return _executable("decode_loop", graphdef, args, mesh, loop_options(sort, stream))[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,7 +468,7 @@ def _pad_rows(x, B: int, L: int, dtype, name: str, n: int, longest: int):
 
 
 def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_len, inputs_embeds, image_mask,
-             prefill_chunk, banned_ids, buckets: Buckets) -> _Run:
+             prefill_chunk, banned_ids, buckets: Buckets, stream: bool = False) -> _Run:
     t_start = time.perf_counter()
     cfg = model.config
     V = cfg.text.vocab_size
@@ -464,8 +517,8 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
     mesh = shd.mesh_of(state)  # a sharded model: the cache and inputs are placed by the rules
     timings = {"compile_s": 0.0, "compiles": 0}
 
-    def get(kind, args):
-        ex, dt = _executable(kind, graphdef, args, mesh)
+    def get(kind, args, opts=()):
+        ex, dt = _executable(kind, graphdef, args, mesh, opts)
         timings["compile_s"] += dt
         timings["compiles"] += int(dt > 0)
         return ex
@@ -500,7 +553,7 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
                      key=jax.random.PRNGKey(seed))
     _, ds, *args, limit = _placed(mesh, "decode_loop", (state, ds, params, jnp.asarray(stop_mask),
                                                          jnp.asarray(banned), jnp.asarray(mn), jnp.asarray(N, jnp.int32)))
-    ex = get("decode_loop", (state, ds, *args, limit))
+    ex = get("decode_loop", (state, ds, *args, limit), loop_options(sampling.needs_sort(V), stream))
     timings["setup_s"] = time.perf_counter() - t_start - timings["compile_s"] - timings["prefill_s"]
     shapes = {"batch": B, "prompt_len": Lb, "chunk": C, "new_tokens": N, "max_len": cap}
     return _Run(ex=ex, state=state, ds=ds, args=args, n=n, N=N, timings=timings, shapes=shapes)
@@ -551,7 +604,7 @@ def generate_stream(model, prompts: Sequence[Sequence[int]], *, max_new_tokens,
     compiled decode loop one step per ``next``."""
     run = _prepare(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed,
                    max_len=max_len, inputs_embeds=inputs_embeds, image_mask=image_mask, prefill_chunk=prefill_chunk,
-                   banned_ids=banned_ids, buckets=buckets)
+                   banned_ids=banned_ids, buckets=buckets, stream=True)
     return _stream(run)
 
 

@@ -25,6 +25,12 @@ Semantics of :func:`sample` for one row with logits ``l`` (fp32, vocabulary ``V`
 
 All parameters are ``[B]`` arrays in :class:`SamplingParams` (a pytree), so different values
 never trigger a recompilation. :meth:`SamplingParams.make` checks values on the host.
+
+Branches. The vocabulary sort behind top-k / top-p is the one costly part. ``sort=None`` (the
+default of :func:`sample`) decides on the device, per call, whether to run it and whether any
+row draws at all (two ``lax.cond``; on a GPU each is a device -> host round trip that idles the
+GPU inside a decode loop). ``sort=True`` / ``False`` fixes the choice at trace time (host side:
+:meth:`SamplingParams.needs_sort`) and draws unconditionally: no round trip, the same ids.
 """
 from __future__ import annotations
 
@@ -92,6 +98,13 @@ class SamplingParams:
         if problems:
             raise ValueError("invalid sampling parameters: " + "; ".join(problems))
 
+    def needs_sort(self, vocab: int) -> bool:
+        """Host-side: whether some sampled row (``temperature > 0``) has top-k (``0 < top_k <
+        vocab``) or top-p (``top_p < 1``) on, i.e. whether :func:`sample` needs the vocabulary
+        sort (its ``sort`` argument)."""
+        t, k, p = (np.asarray(x) for x in (self.temperature, self.top_k, self.top_p))
+        return bool(np.any((t > 0) & (((k > 0) & (k < vocab)) | (p < 1))))
+
     def pad(self, batch: int) -> "SamplingParams":
         """Rows appended up to ``batch`` (greedy, filters off)."""
         n = self.batch
@@ -157,27 +170,33 @@ def _sorted_thresholds(z, k, k_on, top_p):
     return thr_k, thr_p
 
 
-def filter_mask(z, params: SamplingParams):
+def filter_mask(z, params: SamplingParams, sort: bool | None = None):
     """Tokens kept by top-k, then top-p, then min-p, on temperature-scaled logits ``z`` [B, V].
 
-    Returns bool [B, V] (see the module docstring for the exact rules). The vocabulary sort runs
-    only when some row has top-k or top-p on (a ``lax.cond`` on the parameter arrays: no
-    recompilation, and greedy / plain-temperature batches skip it)."""
+    Returns bool [B, V] (see the module docstring for the exact rules). ``sort=None``: the
+    vocabulary sort runs only when some row has top-k or top-p on (a ``lax.cond`` on the
+    parameter arrays: no recompilation, and greedy / plain-temperature batches skip it).
+    ``sort=True``: always sorted (rows with both filters off keep every token, as before);
+    ``sort=False``: top-k and top-p are taken as off for every row (the caller checked
+    :meth:`SamplingParams.needs_sort`)."""
     z = z.astype(F32)
     V = z.shape[-1]
     k = params.top_k.astype(jnp.int32)
     k_on = (k > 0) & (k < V)
     top_p = params.top_p.astype(F32)
     off = jnp.full(z.shape[:1], NEG_INF, F32)
-    thr_k, thr_p = jax.lax.cond(jnp.any(k_on | (top_p < 1.0)),
-                                lambda: _sorted_thresholds(z, k, k_on, top_p), lambda: (off, off))
+    if sort is None:
+        thr_k, thr_p = jax.lax.cond(jnp.any(k_on | (top_p < 1.0)),
+                                    lambda: _sorted_thresholds(z, k, k_on, top_p), lambda: (off, off))
+    else:
+        thr_k, thr_p = _sorted_thresholds(z, k, k_on, top_p) if sort else (off, off)
     # min-p relative to the most likely token
     zmax = jnp.max(z, axis=-1, keepdims=True)
     keep_m = jnp.exp(z - zmax) >= params.min_p.astype(F32)[:, None]
     return (z >= thr_k[:, None]) & (z >= thr_p[:, None]) & keep_m
 
 
-def _prepare(logits, params: SamplingParams, banned):
+def _prepare(logits, params: SamplingParams, banned, sort: bool | None = None):
     logits = logits.astype(F32)
     m = banned_mask(banned, logits.shape[-1])
     if m is not None:
@@ -185,7 +204,7 @@ def _prepare(logits, params: SamplingParams, banned):
     t = params.temperature.astype(F32)
     is_greedy = t <= 0
     z = logits / jnp.where(is_greedy, 1.0, t)[:, None]
-    z = jnp.where(filter_mask(z, params), z, NEG_INF)
+    z = jnp.where(filter_mask(z, params, sort), z, NEG_INF)
     return logits, is_greedy, z
 
 
@@ -203,11 +222,15 @@ def row_keys(key, batch: int, step=None):
     return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(batch, dtype=jnp.uint32))
 
 
-def sample(logits, params: SamplingParams, key, step=None, *, banned=None):
-    """Draw one id per row: logits [B, V] -> int32 [B]. Jittable; see the module docstring."""
-    logits, is_greedy, z = _prepare(logits, params, banned)
+def sample(logits, params: SamplingParams, key, step=None, *, banned=None, sort: bool | None = None):
+    """Draw one id per row: logits [B, V] -> int32 [B]. Jittable; see the module docstring
+    ("Branches") for ``sort``: None decides on the device, a bool at trace time."""
+    logits, is_greedy, z = _prepare(logits, params, banned, sort)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     keys = row_keys(key, logits.shape[0], step)
     draw = lambda: jax.vmap(lambda k, zz: jax.random.categorical(k, zz))(keys, z).astype(jnp.int32)  # noqa: E731
-    drawn = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_ids, draw)  # all-greedy batches draw nothing
+    if sort is None:  # all-greedy batches draw nothing
+        drawn = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_ids, draw)
+    else:  # one draw over [B, V] is cheaper than a device -> host round trip
+        drawn = draw()
     return jnp.where(is_greedy, greedy_ids, drawn)

@@ -88,6 +88,10 @@ def test_precompile_then_generate_compiles_nothing(model, prompts):
     out = G.generate(model, prompts, max_new_tokens=3, stop_ids=(), buckets=BK)
     assert out.timings["compiles"] == 0 and out.timings["compile_s"] == 0.0
     assert out.shapes == r["shapes"][0]
+    # the filtered-sampling loop (top-p: the vocabulary sort) was precompiled too
+    sp = SamplingParams.make(len(prompts), temperature=0.7, top_p=0.9)
+    out = G.generate(model, prompts, max_new_tokens=3, stop_ids=(), sampling=sp, buckets=BK)
+    assert out.timings["compiles"] == 0
 
 
 def test_greedy_matches_full_forward_loop(model, prompts, greedy):
@@ -137,6 +141,32 @@ def test_stream_equals_generate(model, prompts, greedy):
         assert got == full.tokens
         assert reasons == full.finish_reasons
     assert full.tokens[0] == greedy.tokens[0][:4]  # the greedy row is unaffected by sampled rows
+
+
+def test_loop_steps_and_branches_same_tokens(model, prompts, greedy, monkeypatch):
+    # several decode steps per exit check (the steps after an exit are no-ops) and the sampling
+    # branches decided on the device give generate's tokens, reasons and step counts: early stops
+    # on different steps, a buffer end that is no multiple of the steps, sampled rows
+    g = greedy.tokens
+    samp = SamplingParams.make(3, temperature=[0.0, 1.0, 0.8], top_p=[1.0, 0.9, 1.0], top_k=[0, 0, 20])
+    runs = ({"max_new_tokens": [NEW, 2, 5], "stop_ids": [g[0][2]]},
+            {"max_new_tokens": [4, NEW, 7], "stop_ids": (), "sampling": samp, "seed": 5})
+    want = [G.generate(model, prompts, buckets=BK, **kw) for kw in runs]
+    # new loop executables per run: sort off, then on; device branches: one loop for both
+    for env, compiles in (({"DSV41_LOOP_STEPS": "3"}, (1, 1)), ({"DSV41_LOOP_STEPS": "16"}, (1, 1)),
+                          ({"DSV41_SAMPLING_BRANCHES": "device"}, (1, 0))):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        for kw, w, c in zip(runs, want, compiles):
+            out = G.generate(model, prompts, buckets=BK, **kw)
+            assert out.timings["compiles"] == c, env
+            assert (out.tokens, out.finish_reasons) == (w.tokens, w.finish_reasons), (env, kw)
+            assert out.timings["decode_steps"] == w.timings["decode_steps"], env
+        for k in env:
+            monkeypatch.delenv(k)
+    monkeypatch.setenv("DSV41_LOOP_STEPS", "0")
+    with pytest.raises(ValueError, match="DSV41_LOOP_STEPS"):
+        G.generate(model, prompts, max_new_tokens=2, buckets=BK)
 
 
 def test_no_recompile_between_requests(model, prompts):
