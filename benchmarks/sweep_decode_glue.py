@@ -108,11 +108,14 @@ def part_attn(T: int, tag: str, H: int = 64, d: int = 512, W: int = 128, K: int 
     args = (q, kw, kw_ok, kc, kc_ok, sink)
     ref = jax.jit(lambda *a: sparse_attn(*a, d ** -0.5, bf))
     report("sparse_attn", dict(tokens=T, impl="xla"), kernel_times(ref, args), tag)
-    for hb, bk, nw in ((16, 64, 4), (16, 32, 4), (16, 128, 8), (32, 64, 8), (16, 64, 8)):
+    for hb, bk, nw in ((16, 64, 4), (16, 32, 4), (16, 128, 4), (32, 64, 4), (64, 32, 4), (16, 64, 8)):
         f = jax.jit(lambda q, kw, ok, kc, okc, s, v=(hb, bk, nw): sparse_attn_decode(
             q.reshape(T, H, d), kw, ok.reshape(T, W), kc.reshape(T, K, d), okc.reshape(T, K), s, d ** -0.5,
             impl="triton", hb=v[0], bk=v[1], num_warps=v[2]))
-        report("sparse_attn", dict(tokens=T, hb=hb, bk=bk, num_warps=nw), kernel_times(f, args), tag)
+        try:  # a tile over the shared-memory limit fails alone
+            report("sparse_attn", dict(tokens=T, hb=hb, bk=bk, num_warps=nw), kernel_times(f, args), tag)
+        except Exception as e:  # noqa: BLE001
+            report("sparse_attn", dict(tokens=T, hb=hb, bk=bk, num_warps=nw, error=str(e)[:200]), {}, tag)
 
 
 def main():

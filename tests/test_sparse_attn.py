@@ -1,7 +1,7 @@
-"""``kernels.sparse_attn.sparse_attn_decode`` (the experimental one-launch decode attention) in the
-Pallas interpreter against the model's jnp formulation ``attention.sparse_attn``: window keys,
-gathered compressed entries, masks (rows with every key masked too), the sink; and the switch
-that routes ``Attention._sparse_attn`` to it."""
+"""``kernels.sparse_attn.sparse_attn_decode`` (the experimental decode attention, two launches
+split over key tiles) in the Pallas interpreter against the model's jnp formulation
+``attention.sparse_attn``: window keys, gathered compressed entries, masks (rows with every key
+masked too), the sink; and the switch that routes ``Attention._sparse_attn`` to it."""
 from __future__ import annotations
 
 import jax
@@ -50,7 +50,7 @@ def test_kernel_matches_the_jnp_form(B, S, H, d, Wn, K):
 
 def test_bad_shapes_are_refused():
     q, kw, kw_ok, kc, kc_ok, sink = _case(1, 1, 24, 32, 8, 0)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="powers of two"):
         sparse_attn_decode(q.reshape(1, 24, 32), kw, kw_ok.reshape(1, 8), None, None, sink, 1.0, impl="interpret",
                            hb=24)
     with pytest.raises(ValueError, match="kw_ok"):
