@@ -119,7 +119,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], *, length: int | None = None, 
 
 def precompile(model, batch_buckets: Sequence[int], len_buckets: Sequence[int], max_len: int | None = None, *,
                new_buckets: Sequence[int] | None = None, prefill_chunk: int | None = None,
-               with_embeds: bool = False, sort: Sequence[bool] = (False, True), stream: bool = False,
+               with_embeds: bool = False, sort: Sequence[bool] = (False, True),
                buckets: Buckets = DEFAULT_BUCKETS) -> dict:
     """Lower and compile the prefill and the decode loop ahead of time for every combination of
     ``batch_buckets`` x ``len_buckets`` x ``new_buckets`` (default ``(buckets.min_new,)``).
@@ -128,9 +128,8 @@ def precompile(model, batch_buckets: Sequence[int], len_buckets: Sequence[int], 
     ``buckets.cache_len(len, new)``). ``prefill_chunk``: compile the chunk shape instead of the
     whole prompt. ``with_embeds``: also the variant with ``inputs_embeds`` + ``image_mask``
     (image prompts). ``sort``: the decode loops to compile, for requests without top-k / top-p
-    (False: greedy, plain temperature, min-p) and with them (True); ``stream``: the loops
-    ``generate_stream`` runs too (``generate.loop_options``). The executables land in the cache
-    ``generate``/``generate_stream`` use.
+    (False: greedy, plain temperature, min-p) and with them (True; ``generate.loop_options``).
+    The executables land in the cache ``generate``/``generate_stream`` use.
     Returns ``{"compiles": new compilations, "compile_s": seconds, "shapes": [...]}``.
     """
     from dsv41_jax import generate as gen
@@ -148,8 +147,7 @@ def precompile(model, batch_buckets: Sequence[int], len_buckets: Sequence[int], 
                 for emb in variants:
                     gen.compile_prefill(model, B, C, cap, with_embeds=emb)
                 for srt in sort:
-                    for st in (False, True) if stream else (False,):
-                        gen.compile_decode(model, B, N, cap, sort=srt, stream=st)
+                    gen.compile_decode(model, B, N, cap, sort=srt)
                 shapes.append({"batch": B, "prompt_len": L, "chunk": C, "new_tokens": N, "max_len": cap})
     after = gen.compile_stats()
     return {"compiles": after["compiles"] - before["compiles"],

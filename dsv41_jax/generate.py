@@ -256,18 +256,18 @@ def _generation_jit(kind: str, graphdef, out_shardings=None, opts: tuple = ()):
 LOOP_STEPS = 1  # decode steps per exit check of ``generate``'s loop (``DSV41_LOOP_STEPS`` overrides)
 
 
-def loop_options(sort: bool, stream: bool = False) -> tuple:
+def loop_options(sort: bool) -> tuple:
     """The decode loop's static options, as ``_executable``'s ``opts``: the sampling sort decided
     on the host (``sort``: ``SamplingParams.needs_sort`` of the request; ``DSV41_SAMPLING_BRANCHES=
     device`` keeps the on-device decision instead: one executable for every request, two device
-    -> host round trips per step) and the steps per exit check (1 when streaming, which stops
-    after every step; else ``LOOP_STEPS``). So a request whose sort need differs from the
-    previous ones' compiles (once) an executable of its own."""
+    -> host round trips per step) and the steps per exit check (``LOOP_STEPS``; streaming yields
+    the steps of one check at a time). So a request whose sort need differs from the previous
+    ones' compiles (once) an executable of its own."""
     branches = os.environ.get("DSV41_SAMPLING_BRANCHES", "host")
     if branches not in ("host", "device"):
         raise ValueError(f"DSV41_SAMPLING_BRANCHES={branches!r}: expected host (the default) or device")
     sort = None if branches == "device" else bool(sort)
-    steps = 1 if stream else int(os.environ.get("DSV41_LOOP_STEPS", LOOP_STEPS))
+    steps = int(os.environ.get("DSV41_LOOP_STEPS", LOOP_STEPS))
     if steps < 1:
         raise ValueError(f"DSV41_LOOP_STEPS={steps}: expected a positive number of steps")
     return (("sort", sort), ("steps", steps))
@@ -386,15 +386,14 @@ def compile_prefill(model, batch: int, chunk: int, max_len: int, *, with_embeds:
     return _executable("prefill", graphdef, args, mesh)[1]
 
 
-def compile_decode(model, batch: int, new_tokens: int, max_len: int, *, sort: bool = False,
-                   stream: bool = False) -> float:
+def compile_decode(model, batch: int, new_tokens: int, max_len: int, *, sort: bool = False) -> float:
     """Compile the decode while_loop for [batch] rows, a [batch, new_tokens] buffer, cache
-    ``max_len``: for requests with top-k / top-p on (``sort``) or without, for ``generate`` or
-    ``generate_stream`` (``stream``; see :func:`loop_options`)."""
+    ``max_len``, for requests with top-k / top-p on (``sort``) or without (see
+    :func:`loop_options`)."""
     graphdef, state = _split_flat(model)
     mesh = shd.mesh_of(state)
     args = _placed(mesh, "decode_loop", (state, *_decode_avals(model, batch, new_tokens, max_len)))
-    return _executable("decode_loop", graphdef, args, mesh, loop_options(sort, stream))[1]
+    return _executable("decode_loop", graphdef, args, mesh, loop_options(sort))[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,6 +434,7 @@ class _Run:
     N: int
     timings: dict
     shapes: dict
+    steps: int = 1  # decode steps per exit check of the loop (``loop_options``)
 
 
 def _per_row(name: str, v, n: int) -> np.ndarray:
@@ -468,7 +468,7 @@ def _pad_rows(x, B: int, L: int, dtype, name: str, n: int, longest: int):
 
 
 def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_len, inputs_embeds, image_mask,
-             prefill_chunk, banned_ids, buckets: Buckets, stream: bool = False) -> _Run:
+             prefill_chunk, banned_ids, buckets: Buckets) -> _Run:
     t_start = time.perf_counter()
     cfg = model.config
     V = cfg.text.vocab_size
@@ -553,10 +553,12 @@ def _prepare(model, prompts, *, max_new_tokens, sampling, stop_ids, seed, max_le
                      key=jax.random.PRNGKey(seed))
     _, ds, *args, limit = _placed(mesh, "decode_loop", (state, ds, params, jnp.asarray(stop_mask),
                                                          jnp.asarray(banned), jnp.asarray(mn), jnp.asarray(N, jnp.int32)))
-    ex = get("decode_loop", (state, ds, *args, limit), loop_options(sampling.needs_sort(V), stream))
+    opts = loop_options(sampling.needs_sort(V))
+    ex = get("decode_loop", (state, ds, *args, limit), opts)
     timings["setup_s"] = time.perf_counter() - t_start - timings["compile_s"] - timings["prefill_s"]
     shapes = {"batch": B, "prompt_len": Lb, "chunk": C, "new_tokens": N, "max_len": cap}
-    return _Run(ex=ex, state=state, ds=ds, args=args, n=n, N=N, timings=timings, shapes=shapes)
+    return _Run(ex=ex, state=state, ds=ds, args=args, n=n, N=N, timings=timings, shapes=shapes,
+                steps=dict(opts)["steps"])
 
 
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens, sampling: SamplingParams | None = None,
@@ -601,22 +603,27 @@ def generate_stream(model, prompts: Sequence[Sequence[int]], *, max_new_tokens,
                     buckets: Buckets = DEFAULT_BUCKETS) -> Iterator[StreamStep]:
     """Same arguments and tokens as :func:`generate`, yielded one :class:`StreamStep` per decode
     step. Validation and the prefill happen at the call; the returned iterator runs the same
-    compiled decode loop one step per ``next``."""
+    compiled decode loop, one exit check's steps (``loop_options``) per call."""
     run = _prepare(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, seed=seed,
                    max_len=max_len, inputs_embeds=inputs_embeds, image_mask=image_mask, prefill_chunk=prefill_chunk,
-                   banned_ids=banned_ids, buckets=buckets, stream=True)
+                   banned_ids=banned_ids, buckets=buckets)
     return _stream(run)
 
 
 def _stream(run: _Run) -> Iterator[StreamStep]:
+    """Each call of the loop runs up to ``run.steps`` steps (one exit check: the loop's own
+    granularity), then its steps are yielded one by one: row ``i`` produced a token at step ``s``
+    iff ``s < count[i]`` (rows run from step 0 until they finish), and its finish reason shows
+    from its last step on."""
     ds, n = run.ds, run.n
-    prev_done = np.zeros((n,), bool)
-    for step in range(run.N):
-        ds = run.ex(run.state, ds, *run.args, jnp.asarray(step + 1, jnp.int32))
-        tokens, done, finish = jax.device_get((ds.tokens, ds.done, ds.finish))
-        col = tokens[:n, step]
-        yield StreamStep(step=step, tokens=[None if prev_done[i] else int(col[i]) for i in range(n)],
-                         finish_reasons=[FINISH_REASONS.get(int(f)) for f in finish[:n]])
-        prev_done = done[:n].copy()
+    step = 0
+    while step < run.N:
+        ds = run.ex(run.state, ds, *run.args, jnp.asarray(min(step + run.steps, run.N), jnp.int32))
+        tokens, done, finish, count, end = jax.device_get((ds.tokens, ds.done, ds.finish, ds.count, ds.step))
+        for s in range(step, int(end)):
+            yield StreamStep(step=s, tokens=[int(tokens[i, s]) if s < count[i] else None for i in range(n)],
+                             finish_reasons=[FINISH_REASONS.get(int(finish[i])) if s >= count[i] - 1 else None
+                                             for i in range(n)])
+        step = int(end)
         if np.all(done):
             return

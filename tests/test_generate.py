@@ -152,16 +152,19 @@ def test_loop_steps_and_branches_same_tokens(model, prompts, greedy, monkeypatch
     runs = ({"max_new_tokens": [NEW, 2, 5], "stop_ids": [g[0][2]]},
             {"max_new_tokens": [4, NEW, 7], "stop_ids": (), "sampling": samp, "seed": 5})
     want = [G.generate(model, prompts, buckets=BK, **kw) for kw in runs]
+    streams = [list(G.generate_stream(model, prompts, buckets=BK, **kw)) for kw in runs]
     # new loop executables per run: sort off, then on; device branches: one loop for both
     for env, compiles in (({"DSV41_LOOP_STEPS": "3"}, (1, 1)), ({"DSV41_LOOP_STEPS": "16"}, (1, 1)),
                           ({"DSV41_SAMPLING_BRANCHES": "device"}, (1, 0))):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
-        for kw, w, c in zip(runs, want, compiles):
+        for kw, w, c, st in zip(runs, want, compiles, streams):
             out = G.generate(model, prompts, buckets=BK, **kw)
             assert out.timings["compiles"] == c, env
             assert (out.tokens, out.finish_reasons) == (w.tokens, w.finish_reasons), (env, kw)
             assert out.timings["decode_steps"] == w.timings["decode_steps"], env
+            # streaming yields the same steps (tokens, Nones, reasons as they appear), whatever the chunking
+            assert list(G.generate_stream(model, prompts, buckets=BK, **kw)) == st, env
         for k in env:
             monkeypatch.delenv(k)
     monkeypatch.setenv("DSV41_LOOP_STEPS", "0")
