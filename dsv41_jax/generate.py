@@ -254,6 +254,7 @@ def _generation_jit(kind: str, graphdef, out_shardings=None, opts: tuple = ()):
 
 
 LOOP_STEPS = 1  # decode steps per exit check of ``generate``'s loop (``DSV41_LOOP_STEPS`` overrides)
+SAMPLING_BRANCHES = "device"  # where the sampling sort is decided (``DSV41_SAMPLING_BRANCHES`` overrides)
 
 
 def loop_options(sort: bool) -> tuple:
@@ -263,9 +264,9 @@ def loop_options(sort: bool) -> tuple:
     -> host round trips per step) and the steps per exit check (``LOOP_STEPS``; streaming yields
     the steps of one check at a time). So a request whose sort need differs from the previous
     ones' compiles (once) an executable of its own."""
-    branches = os.environ.get("DSV41_SAMPLING_BRANCHES", "host")
+    branches = os.environ.get("DSV41_SAMPLING_BRANCHES", SAMPLING_BRANCHES)
     if branches not in ("host", "device"):
-        raise ValueError(f"DSV41_SAMPLING_BRANCHES={branches!r}: expected host (the default) or device")
+        raise ValueError(f"DSV41_SAMPLING_BRANCHES={branches!r}: expected host or device")
     sort = None if branches == "device" else bool(sort)
     steps = int(os.environ.get("DSV41_LOOP_STEPS", LOOP_STEPS))
     if steps < 1:

@@ -27,10 +27,11 @@ All parameters are ``[B]`` arrays in :class:`SamplingParams` (a pytree), so diff
 never trigger a recompilation. :meth:`SamplingParams.make` checks values on the host.
 
 Branches. The vocabulary sort behind top-k / top-p is the one costly part. ``sort=None`` (the
-default of :func:`sample`) decides on the device, per call, whether to run it and whether any
-row draws at all (two ``lax.cond``; on a GPU each is a device -> host round trip that idles the
-GPU inside a decode loop). ``sort=True`` / ``False`` fixes the choice at trace time (host side:
-:meth:`SamplingParams.needs_sort`) and draws unconditionally: no round trip, the same ids.
+default of :func:`sample`) decides on the device, per call, whether to run it (a ``lax.cond``:
+on a GPU a device -> host round trip that idles the GPU inside a decode loop); ``sort=True`` /
+``False`` fixes the choice at trace time (host side: :meth:`SamplingParams.needs_sort`): no
+round trip, the same ids. The draw itself always runs (one pass over [B, V], cheaper than a
+round trip); greedy rows then take the argmax.
 """
 from __future__ import annotations
 
@@ -228,9 +229,5 @@ def sample(logits, params: SamplingParams, key, step=None, *, banned=None, sort:
     logits, is_greedy, z = _prepare(logits, params, banned, sort)
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     keys = row_keys(key, logits.shape[0], step)
-    draw = lambda: jax.vmap(lambda k, zz: jax.random.categorical(k, zz))(keys, z).astype(jnp.int32)  # noqa: E731
-    if sort is None:  # all-greedy batches draw nothing
-        drawn = jax.lax.cond(jnp.all(is_greedy), lambda: greedy_ids, draw)
-    else:  # one draw over [B, V] is cheaper than a device -> host round trip
-        drawn = draw()
+    drawn = jax.vmap(lambda k, zz: jax.random.categorical(k, zz))(keys, z).astype(jnp.int32)
     return jnp.where(is_greedy, greedy_ids, drawn)
