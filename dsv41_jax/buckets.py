@@ -127,9 +127,11 @@ def precompile(model, batch_buckets: Sequence[int], len_buckets: Sequence[int], 
     ``max_len``: the cache capacity ``generate`` will be called with (None: the bucket default
     ``buckets.cache_len(len, new)``). ``prefill_chunk``: compile the chunk shape instead of the
     whole prompt. ``with_embeds``: also the variant with ``inputs_embeds`` + ``image_mask``
-    (image prompts). ``sort``: the decode loops to compile, for requests without top-k / top-p
-    (False: greedy, plain temperature, min-p) and with them (True; ``generate.loop_options``).
-    The executables land in the cache ``generate``/``generate_stream`` use.
+    (image prompts). ``sort``: with the sampling sort decided on the host
+    (``DSV41_SAMPLING_BRANCHES=host``, ``generate.loop_options``) the decode loops to compile,
+    for requests without top-k / top-p (False: greedy, plain temperature, min-p) and with them
+    (True); by default one loop serves both. The executables land in the cache
+    ``generate``/``generate_stream`` use.
     Returns ``{"compiles": new compilations, "compile_s": seconds, "shapes": [...]}``.
     """
     from dsv41_jax import generate as gen

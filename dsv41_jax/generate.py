@@ -15,12 +15,13 @@ The loop exits when every row is done or the token buffer is full. ``generate_st
 same loop with a step limit of one step per call, so it yields exactly the tokens ``generate``
 returns for the same inputs and seed.
 
-Two choices are fixed per executable rather than per step (:func:`loop_options`), because on a
-GPU every data-dependent branch inside the loop is a device -> host round trip that idles the
-GPU: whether the request needs the vocabulary sort of top-k / top-p (decided on the host from
-its sampling parameters: at most two loop executables per shape, greedy / plain temperature and
-filtered), and how many decode steps run between two checks of the exit condition (``steps``;
-the extra steps of a finished loop are no-ops, the tokens are the same).
+On a GPU every data-dependent branch inside the loop is a device -> host round trip that idles
+the GPU. :func:`loop_options` holds the two choices about them, fixed per executable: whether
+the vocabulary sort of top-k / top-p is decided per step on the device (the default: one loop
+executable for every request) or per request on the host (``DSV41_SAMPLING_BRANCHES=host``: no
+round trip, two loop executables per shape, greedy / plain temperature and filtered), and how
+many decode steps run between two checks of the exit condition (``DSV41_LOOP_STEPS``; the extra
+steps of a finished loop are no-ops, the tokens are the same).
 
 Compiled executables are kept per (function, options, model graph, argument shapes/dtypes) in a
 process-wide table (``compile_stats``, ``clear_compiled``); ``buckets.precompile`` fills it ahead
@@ -258,12 +259,17 @@ SAMPLING_BRANCHES = "device"  # where the sampling sort is decided (``DSV41_SAMP
 
 
 def loop_options(sort: bool) -> tuple:
-    """The decode loop's static options, as ``_executable``'s ``opts``: the sampling sort decided
-    on the host (``sort``: ``SamplingParams.needs_sort`` of the request; ``DSV41_SAMPLING_BRANCHES=
-    device`` keeps the on-device decision instead: one executable for every request, two device
-    -> host round trips per step) and the steps per exit check (``LOOP_STEPS``; streaming yields
-    the steps of one check at a time). So a request whose sort need differs from the previous
-    ones' compiles (once) an executable of its own."""
+    """The decode loop's static options, as ``_executable``'s ``opts``.
+
+    Where the sampling sort (top-k / top-p) is decided: ``SAMPLING_BRANCHES = "device"`` (the
+    default) decides it per step on the device, so one executable serves every request, at one
+    device -> host round trip per step; ``DSV41_SAMPLING_BRANCHES=host`` takes ``sort`` (the
+    request's ``SamplingParams.needs_sort``) at trace time: no round trip (run 25: 35-60 us less
+    per batch-1 step of the 3-layer slice than the two round trips of session 14's loop), but a
+    request whose sort need differs from the earlier ones' compiles (once) a loop of its own
+    (``buckets.precompile`` compiles both). And the decode steps per exit check (``LOOP_STEPS``;
+    streaming yields the steps of one check at a time; run 25: 4 steps per check gained nothing
+    over 1)."""
     branches = os.environ.get("DSV41_SAMPLING_BRANCHES", SAMPLING_BRANCHES)
     if branches not in ("host", "device"):
         raise ValueError(f"DSV41_SAMPLING_BRANCHES={branches!r}: expected host or device")
