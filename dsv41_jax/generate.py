@@ -12,8 +12,8 @@ last valid prompt position), records it, updates the done flags (stop id sampled
 ``max_new_tokens`` reached), then runs the model on that token at the row's own position
 (``cache['length'][b]``; finished rows feed an invalid token, so their cache does not move).
 The loop exits when every row is done or the token buffer is full. ``generate_stream`` runs the
-same loop with a step limit of one step per call, so it yields exactly the tokens ``generate``
-returns for the same inputs and seed.
+same loop with a step limit per call (one exit check's steps, one step by default), so it yields
+exactly the tokens ``generate`` returns for the same inputs and seed.
 
 On a GPU every data-dependent branch inside the loop is a device -> host round trip that idles
 the GPU. :func:`loop_options` holds the two choices about them, fixed per executable: whether
@@ -274,9 +274,10 @@ def loop_options(sort: bool) -> tuple:
     if branches not in ("host", "device"):
         raise ValueError(f"DSV41_SAMPLING_BRANCHES={branches!r}: expected host or device")
     sort = None if branches == "device" else bool(sort)
-    steps = int(os.environ.get("DSV41_LOOP_STEPS", LOOP_STEPS))
-    if steps < 1:
-        raise ValueError(f"DSV41_LOOP_STEPS={steps}: expected a positive number of steps")
+    steps = str(os.environ.get("DSV41_LOOP_STEPS", LOOP_STEPS)).strip()
+    if not steps.isdigit() or int(steps) < 1:
+        raise ValueError(f"DSV41_LOOP_STEPS={steps!r}: expected a positive number of steps")
+    steps = int(steps)
     return (("sort", sort), ("steps", steps))
 
 

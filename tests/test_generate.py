@@ -169,8 +169,13 @@ def test_loop_steps_and_branches_same_tokens(model, prompts, greedy, monkeypatch
             assert list(G.generate_stream(model, prompts, buckets=BK, **kw)) == st, env
         for k in env:
             monkeypatch.delenv(k)
-    monkeypatch.setenv("DSV41_LOOP_STEPS", "0")
-    with pytest.raises(ValueError, match="DSV41_LOOP_STEPS"):
+    for bad in ("0", "two"):
+        monkeypatch.setenv("DSV41_LOOP_STEPS", bad)
+        with pytest.raises(ValueError, match="DSV41_LOOP_STEPS"):
+            G.generate(model, prompts, max_new_tokens=2, buckets=BK)
+    monkeypatch.delenv("DSV41_LOOP_STEPS")
+    monkeypatch.setenv("DSV41_SAMPLING_BRANCHES", "gpu")
+    with pytest.raises(ValueError, match="DSV41_SAMPLING_BRANCHES"):
         G.generate(model, prompts, max_new_tokens=2, buckets=BK)
 
 
