@@ -577,7 +577,7 @@ def decode_loop_runner(model, cfg, B: int, ctx: int, n_tokens: int):
                                              jnp.zeros((V,), bool), jnp.full((B,), n_tokens, jnp.int32),
                                              jnp.asarray(limit, jnp.int32)))
 
-    # greedy rows: no vocabulary sort; the steps per exit check as generate's (DSV41_LOOP_STEPS)
+    # the loop generate runs for greedy rows (its options follow DSV41_SAMPLING_BRANCHES / DSV41_LOOP_STEPS)
     compiled, compile_s = _executable("decode_loop", graphdef, fresh(n_tokens), mesh, loop_options(False))
     return compiled, fresh, compile_s
 

@@ -30,8 +30,8 @@ Branches. The vocabulary sort behind top-k / top-p is the one costly part. ``sor
 default of :func:`sample`) decides on the device, per call, whether to run it (a ``lax.cond``:
 on a GPU a device -> host round trip that idles the GPU inside a decode loop); ``sort=True`` /
 ``False`` fixes the choice at trace time (host side: :meth:`SamplingParams.needs_sort`): no
-round trip, the same ids. The draw itself always runs (one pass over [B, V], cheaper than a
-round trip); greedy rows then take the argmax.
+round trip, the same ids. The draw itself always runs (one pass over [B, V] in place of a
+branch and its round trip); greedy rows then take the argmax.
 """
 from __future__ import annotations
 

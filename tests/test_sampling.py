@@ -249,19 +249,18 @@ def test_sort_decided_at_trace_time_same_ids():
     # on-device decision wherever it applies: True always, False when needs_sort is False
     rng = np.random.default_rng(5)
     z = _pad_z(rng.normal(size=(6, 50)).astype(F32) * 3)
-    cases = [dict(temperature=[0.0, 1.0, 0.7, 1.3, 0.0, 2.0]),                     # no filters: no sort needed
-             dict(temperature=[0.0, 1.0, 0.7, 1.3, 0.0, 2.0], min_p=0.1),           # min-p needs no sort
-             dict(temperature=[0.0, 1.0, 0.7, 1.3, 0.0, 2.0], top_k=[0, 5, 0, 2, 9, 0],
-                  top_p=[1.0, 1.0, 0.8, 1.0, 0.5, 0.95]),                           # filters on sampled rows
-             dict(temperature=0.0, top_k=3, top_p=0.5)]                              # all greedy: filters unused
-    for kw in cases:
+    cases = [(dict(temperature=[0.0, 1.0, 0.7, 1.3, 0.0, 2.0]), False),          # no filters: no sort needed
+             (dict(temperature=[0.0, 1.0, 0.7, 1.3, 0.0, 2.0], min_p=0.1), False),  # min-p needs no sort
+             (dict(temperature=[0.0, 1.0, 0.7, 1.3, 0.0, 2.0], top_k=[0, 5, 0, 2, 9, 0],
+                   top_p=[1.0, 1.0, 0.8, 1.0, 0.5, 0.95]), True),                   # filters on sampled rows
+             (dict(temperature=0.0, top_k=3, top_p=0.5), False)]                     # all greedy: filters unused
+    for kw, need in cases:
         p = _params(6, **kw)
-        need = p.needs_sort(PV)
+        assert p.needs_sort(PV) == need, kw
         dev, on, off = (np.asarray(x) for x in _sample_sorts_j(z, p.pad(PB), jax.random.PRNGKey(3), _pad_b(None, 50)))
         np.testing.assert_array_equal(on, dev)
         if not need:
             np.testing.assert_array_equal(off, dev)
-        assert need == (kw.get("top_k") is not None and kw["temperature"] != 0.0), kw
     # top_k >= V is off; top_p = 1 is off
     assert not _params(2, temperature=1.0, top_k=PV, top_p=1.0).needs_sort(PV)
     assert _params(2, temperature=1.0, top_k=PV - 1).needs_sort(PV)

@@ -132,10 +132,6 @@ def _values_kernel(l_ref, m_ref, *refs, S: int, H: int, Wn: int, K: int, hb: int
     _for_tile(refs[:-2], S=S, Wn=Wn, K=K, bk=bk, body=body)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def sparse_attn_decode(q, kw, kw_ok, kc, kc_ok, sink, scale: float, *, impl: str = "triton", hb: int = HB,
                        bk: int = BK, num_warps: int = 4):
     """Attention of ``q [T, H, d]`` (T = B * S tokens, batch row ``t // S``) over the window keys
@@ -146,6 +142,8 @@ def sparse_attn_decode(q, kw, kw_ok, kc, kc_ok, sink, scale: float, *, impl: str
     tile (a power of two >= 16)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
+
+    from dsv41_jax.kernels.qmatmul import _pow2_at_least
 
     if impl not in _IMPLS:
         raise ValueError(f"sparse_attn_decode: impl {impl!r} not in {_IMPLS}")
@@ -164,7 +162,7 @@ def sparse_attn_decode(q, kw, kw_ok, kc, kc_ok, sink, scale: float, *, impl: str
     interpret = impl == "interpret"
     kw_ = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
     nt = pl.cdiv(Wn, bk) + pl.cdiv(K, bk)
-    ntp = max(16, _pow2(nt))
+    ntp = max(16, _pow2_at_least(nt))
     grid = (T, pl.cdiv(H, hb), nt)
     geo = dict(S=T // B, H=H, Wn=Wn, K=K, hb=hb, bk=bk)
     f32 = lambda *shape: jax.ShapeDtypeStruct(shape, F32)  # noqa: E731
