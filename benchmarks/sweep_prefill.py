@@ -20,12 +20,19 @@ K steps and stage counts). Outputs of the scaled rows are compared with the defa
 ``--part mhc``: one mHC site's mixing sums of an 8k chunk (4 x 5120 bf16 stream, 24 outputs):
 XLA's three kernels against ``kernels.hc_mix_sums`` over its tiles.
 
-    python3 benchmarks/sweep_prefill.py --part indexer,moe,mhc
+``--part attn``: the sparse attention of an 8k prefill chunk at V4.1 sizes (64 heads x 512, window
+128, 512 selected entries per query from 4096 (ratio 2) or 8192 (ratio 1) compressed entries, and
+the window-only layer): the model's XLA form (``Attention._attend``: 256-query blocks, the entries
+gathered into HBM) against ``kernels.attn_prefill`` over its tiles (entries gathered inside the
+kernel, and by XLA before it); FLOPs count the valid keys only (QK and PV).
+
+    python3 benchmarks/sweep_prefill.py --part indexer,moe,mhc,attn
     python3 benchmarks/sweep_prefill.py --smoke      # tiny sizes in the Pallas interpreter (CPU)
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import types
@@ -212,24 +219,88 @@ def part_mhc(key, S: int = 8192, K: int = 4 * 5120, O: int = 24):
             emit(part="mhc", tokens=S, form=name, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
+ATTN_TILES = ({}, dict(dv=512), dict(dv=128), dict(bk=64), dict(bk=16), dict(num_warps=4), dict(num_stages=1),
+              dict(num_stages=3), dict(dv=512, bk=16), dict(gather="xla"))
+
+
+def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: int = 512, block: int = 256,
+              ratios=(2, 1, 0)):
+    """One attention layer's core of an S-token chunk (fresh prefill: empty ring) for each
+    compression ratio (0: window only): XLA's form against the kernel's tiles."""
+    from types import SimpleNamespace
+
+    from dsv41_jax.kernels.attn_prefill import sparse_attn_prefill
+    from dsv41_jax.model.attention import Attention, sparse_attn
+
+    ks = jax.random.split(key, 4)
+    q = (0.05 * jax.random.normal(ks[0], (1, S, H, d), jnp.float32)).astype(BF16)
+    kv = jax.random.normal(ks[1], (1, S, d), jnp.float32).astype(BF16)
+    pos = jnp.arange(S, dtype=jnp.int32)[None]
+    kw = jnp.concatenate([jnp.zeros((1, W, d), BF16), kv], axis=1)
+    kpos = jnp.concatenate([jnp.full((1, W), -1, jnp.int32), pos], axis=1)
+    blk = 0 if S <= 2 * max(block, W) or S % max(block, W) else max(block, W)
+    for ratio in ratios:
+        cmp = idx = None
+        n_entries = 0
+        if ratio:
+            Tc = S // ratio
+            cmp = jax.random.normal(ks[2], (1, Tc, d), jnp.float32).astype(BF16)
+            n_vis = (pos[0] + 1) // ratio                                            # entries visible to each query
+            draw = jax.random.randint(ks[3], (S, K), 0, 1 << 30) % jnp.maximum(n_vis, 1)[:, None]
+            idx = jnp.where(jnp.arange(K)[None] < n_vis[:, None], draw, -1)[None].astype(jnp.int32)
+            n_entries = int(jnp.sum(idx >= 0))
+        n_keys = n_entries + int(jnp.sum(jnp.minimum(pos[0] + 1, W)))
+        flops = 4 * H * d * n_keys
+
+        def xla(i, s, q, sink, kw, kpos, cmp, idx):
+            fake = SimpleNamespace(window=W, q_block=block, _attend_kernel=lambda *a: None)
+            fake._sparse_attn = lambda q_, kw_, ok, kc, kc_ok: sparse_attn(q_, kw_, ok, kc, kc_ok, sink + s, d ** -0.5,
+                                                                          BF16)
+            return Attention._attend(fake, q, pos, kw, kpos, cmp, idx)
+
+        def kern(i, s, q, sink, kw, kpos, cmp, idx, tiles=None):
+            return sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink + s, d ** -0.5, window=W, block=blk,
+                                       impl=IMPL, **tiles)
+
+        sink = jax.random.normal(ks[3], (H,), jnp.float32)
+        args = (q, sink, kw, kpos, cmp, idx)
+        want = None
+        for tiles in (None,) + ATTN_TILES:
+            form = "xla" if tiles is None else "kernel"
+            f = xla if tiles is None else functools.partial(kern, tiles=tiles)
+            try:
+                t, comp = bq.timeit(f, *args, reps=3)
+                got = jax.jit(lambda *a, f=f: f(0, jnp.float32(0), *a))(*args)
+                if want is None:
+                    want = got
+                extra = dict(rel_err=bq.rel_err(got, want), equal=float(jnp.mean(got == want)))
+                emit(part="attn", tokens=S, ratio=ratio, form=form, tiles=tiles, ms=round(t * 1e3, 4),
+                     TFLOPs=round(flops / t / 1e12, 1), compile_s=round(comp, 1), **extra)
+            except Exception as e:  # noqa: BLE001
+                emit(part="attn", tokens=S, ratio=ratio, form=form, tiles=tiles,
+                     error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="indexer,moe", help="indexer, moe, moedq, mhc (comma-separated)")
+    ap.add_argument("--part", default="indexer,moe", help="indexer, moe, moedq, mhc, attn (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
     key = jax.random.key(0)
-    parts = {"indexer": part_indexer, "moe": part_moe, "moedq": part_moedq, "mhc": part_mhc}
+    parts = {"indexer": part_indexer, "moe": part_moe, "moedq": part_moedq, "mhc": part_mhc, "attn": part_attn}
     if a.smoke:
-        global IMPL, INDEXER_TILES, MOE_VARIANTS, MHC_TILES, MOEDQ_VARIANTS
+        global IMPL, INDEXER_TILES, MOE_VARIANTS, MHC_TILES, MOEDQ_VARIANTS, ATTN_TILES
         IMPL, INDEXER_TILES = "interpret", ({}, dict(bq=16, bt=32))
         MHC_TILES = ({}, dict(bt=16, bk=64))
+        ATTN_TILES = (dict(hb=16, bk=16, dv=32),)
         MOE_VARIANTS = ((32, 16, {}), (32, 48, dict(bo=32)), (64, 24, {}))
         MOEDQ_VARIANTS = (("int8", {}), ("int8", dict(lowp_dequant=True)), ("codes", {}), ("bf16", {}))
         parts = {"indexer": lambda k: part_indexer(k, S=64, H=2, hd=32, block=16),
                  "moe": lambda k: part_moe(k, k=2, E=4, D=64, Ii=32),
                  "moedq": lambda k: part_moedq(k, T=32, c=24, k=2, E=4, D=64, Ii=32),
-                 "mhc": lambda k: part_mhc(k, S=160, K=512)}
+                 "mhc": lambda k: part_mhc(k, S=160, K=512),
+                 "attn": lambda k: part_attn(k, S=40, H=16, d=64, W=8, K=16, block=8)}
     for part in a.part.split(","):
         parts[part](key)
 

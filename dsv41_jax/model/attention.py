@@ -319,6 +319,20 @@ class Attention(nnx.Module):
             return o.reshape(B, S, H, d)
         return sparse_attn(q, kw, kw_ok, kc, kc_ok, self.attn_sink[...], scale, dt)
 
+    def _attend_kernel(self, q, pos, kw, kpos, cmp_kv, idx, block: int):
+        """A whole chunk through ``kernels.attn_prefill`` (the entries gathered inside the kernel,
+        no query-block loop), where ``DSV41_ATTN_PREFILL_KERNEL`` selects it (read at trace time)
+        for chunks of more than ``MIN_TOKENS`` tokens in bf16; else None (XLA's form below)."""
+        from dsv41_jax.kernels import kernel_switch
+        from dsv41_jax.kernels.attn_prefill import DEFAULT, MIN_TOKENS, applies, sparse_attn_prefill
+
+        dt = self.numerics.dtype
+        impl = kernel_switch("DSV41_ATTN_PREFILL_KERNEL", default=DEFAULT)
+        if impl is None or dt != jnp.bfloat16 or pos.size <= MIN_TOKENS or not applies(self.head_dim):
+            return None
+        return sparse_attn_prefill(q.astype(dt), pos, kw.astype(dt), kpos, cmp_kv, idx, self.attn_sink[...],
+                                   self.head_dim ** -0.5, window=self.window, block=block, impl=impl)
+
     def _attend(self, q, pos, kw, kpos, cmp_kv, idx):
         """Attention of the chunk's queries. Long chunks run in query blocks: block i only sees
         the keys slice [i*bq, i*bq + W + bq) of (ring ++ chunk) and its own selected entries, so
@@ -326,6 +340,10 @@ class Attention(nnx.Module):
         B, S = pos.shape
         W = self.window
         block = max(self.q_block, W)  # later blocks must not need ring slots (stored in slot order)
+        blocked = not (S <= 2 * block or S % block)
+        o = self._attend_kernel(q, pos, kw, kpos, cmp_kv, idx, block if blocked else 0)
+        if o is not None:
+            return o
 
         def one(qb, pb, kwb, kpb, idxb):
             qi = pb[:, :, None]
@@ -336,7 +354,7 @@ class Attention(nnx.Module):
                 kc_ok = idxb >= 0
             return self._sparse_attn(qb, kwb, ok, kc, kc_ok)
 
-        if S <= 2 * block or S % block:
+        if not blocked:
             return one(q, pos, kw, kpos, idx)
         nb = S // block
 

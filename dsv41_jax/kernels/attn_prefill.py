@@ -1,0 +1,243 @@
+"""Prefill sparse attention (window keys + selected compressed entries, K = V, a sink per head) as
+two Pallas launches that gather their keys themselves.
+
+``sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale, window=W, block=...)`` computes
+what ``Attention._attend`` computes with ``attention.sparse_attn`` for a whole chunk, for each
+token ``t`` (batch row ``b``, chunk index ``s``) and head ``h``::
+
+    window keys  j in [lo(s), lo(s) + n)  of kw[b] (ring ++ chunk), valid where
+                 kpos[b, j] >= 0 and pos[b, s] - W < kpos[b, j] <= pos[b, s]
+    entries      cmp[b, max(idx[b, s, i], 0)], valid where idx[b, s, i] >= 0
+    l_j   = scale * (q[t, h] . key_j)            fp32 products of dt operands, -inf where masked
+    m     = max(max_j l_j, -1e30)
+    p_j   = exp(l_j - m)
+    o     = sum_j dt(p_j) * key_j / (sum_j p_j + exp(sink[h] - m))      (fp32 sums, one rounding)
+
+``lo(s)`` and ``n`` are ``_attend``'s query blocks: with ``block`` > 0 (chunks longer than two
+blocks) token ``s`` sees ``kw[b, lo : lo + W + block]`` with ``lo = (s // block) * block``,
+otherwise all of ``kw[b]``. The rounding points are the reference's: the probabilities are rounded
+to dt relative to the row's global maximum, so flash attention's running maximum is out. Hence
+two launches over a grid of (token, ``hb`` heads):
+
+1. ``_max_kernel``: every key tile's logits, their row maximum ``m [T, H]`` (exact: a max);
+2. ``_out_kernel`` (a third grid axis over ``dv``-wide slices of the output columns): the logits
+   again, ``p = exp(l - m)``, their fp32 sum and ``dt(p) @ keys[:, slice]``, then the sink and
+   the division, written as dt.
+
+Only the fp32 summation orders differ from XLA's. What it replaces: XLA's query-block loop
+gathers the selected entries of every query into HBM (``[S, K, d]``: 4.3 GB per layer at 8k
+tokens and V4.1 sizes), runs batched GEMMs with 64-row operands and ~10 elementwise passes
+over the ``[S, H, K]`` logits, and copies each block in and out (run 26: ~18 ms of an 8k
+prefill's 99). Here the entries are read from the L2-resident compressed cache per key tile; key
+tiles without a valid key are skipped, so the window's blocked range costs its valid keys only.
+
+Implementations (``impl``): ``"triton"`` (GPU; the gather is a pointer gather inside the kernel),
+``"interpret"`` (the Pallas interpreter; JAX 0.10's interpreter cannot run a gather load, so XLA
+gathers the entries first and the kernel reads them as contiguous tiles: the same code
+otherwise). ``gather="xla"`` forces the pre-gathered form on the GPU too (GPU checks).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+F32 = jnp.float32
+_IMPLS = ("triton", "interpret")
+MIN_TOKENS = 64  # the model uses the kernel for chunks of more tokens than this (prefill)
+DEFAULT = "0"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch)
+# tiles: heads per program, keys per tile, output columns per program of the second launch;
+# ``DSV41_ATTN_PREFILL_TILES`` (JSON, e.g. '{"dv": 512}') overrides fields for tuning
+TILES = dict(hb=64, bk=32, dv=256, num_warps=8, num_stages=2)
+
+
+def _tiles() -> dict:
+    tiles = dict(TILES)
+    env = os.environ.get("DSV41_ATTN_PREFILL_TILES")
+    if env:
+        try:
+            extra = json.loads(env)
+            bad = set(extra) - set(TILES)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"DSV41_ATTN_PREFILL_TILES={env!r}: not a JSON object ({e})") from None
+        if bad:
+            raise ValueError(f"DSV41_ATTN_PREFILL_TILES: unknown fields {sorted(bad)} (known: {sorted(TILES)})")
+        tiles.update(extra)
+    return tiles
+
+
+def _load(ref, mask, other):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=other)
+
+
+def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int, bk: int, scale: float,
+               gathered: bool, v0=None, dv=None):
+    """Fold ``fn(carry, l, vals)`` over this program's key tiles that hold a valid key: ``l`` the
+    tile's masked logits ``[hb, bk]`` (fp32), ``vals()`` its value columns ``[v0, v0 + dv)``
+    (``[bk, dv]``, zeros where masked). ``refs``: pos, kw, kpos (and, with ``K``, idx and the
+    compressed cache or the pre-gathered entries)."""
+    from jax.experimental import pallas as pl
+
+    pos_ref, kw_ref, kpos_ref = refs[:3]
+    t = pl.program_id(0)
+    b, s = t // S, t % S
+    p_t = pos_ref[t]
+    d = q.shape[-1]
+    lanes = jnp.arange(bk, dtype=jnp.int32)
+    whole = v0 is None or dv == d
+
+    def logits(keys, ok):
+        lg = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale
+        return jnp.where(ok[None, :], lg, -jnp.inf)
+
+    def tile(c0, ok, key_at, carry):
+        def live(carry):
+            keys = _load(key_at(slice(None)), ok[:, None], 0)
+            vals = (lambda: keys) if whole else (lambda: _load(key_at(pl.ds(v0, dv)), ok[:, None], 0))
+            return fn(carry, logits(keys, ok), vals)
+
+        return lax.cond(jnp.max(ok.astype(jnp.int32)) > 0, live, lambda c: c, carry)
+
+    lo = (s // block) * block if block else 0
+    n = min(W + block, J) if block else J
+
+    def window(c, carry):
+        j0 = lo + c * bk
+        inside = c * bk + lanes < n
+        kp = _load(kpos_ref.at[b, pl.ds(j0, bk)], inside, -1)
+        ok = inside & (kp >= 0) & (kp <= p_t) & (kp > p_t - W)
+        return tile(j0, ok, lambda cols: kw_ref.at[b, pl.ds(j0, bk), cols], carry)
+
+    carry = lax.fori_loop(0, pl.cdiv(n, bk), window, carry)
+    if not K:
+        return carry
+    idx_ref, src_ref = refs[3:5]
+
+    def entries(c, carry):
+        inside = c * bk + lanes < K
+        ids = _load(idx_ref.at[t, pl.ds(c * bk, bk)], inside, -1)
+        ok = ids >= 0
+        if gathered:
+            at = lambda cols: src_ref.at[t, pl.ds(c * bk, bk), cols]  # noqa: E731
+        else:
+            rows = jnp.maximum(ids, 0)
+            at = lambda cols: src_ref.at[b, rows, cols]  # noqa: E731  (a pointer gather)
+        return tile(c * bk, ok, at, carry)
+
+    return lax.fori_loop(0, pl.cdiv(K, bk), entries, carry)
+
+
+def _heads(q_ref, hb: int):
+    """This program's heads: the first, the mask of those below H (fewer heads than ``hb`` are
+    padded with masked rows: the tensor cores' smallest tile is 16) and their queries ``[hb, d]``."""
+    from jax.experimental import pallas as pl
+
+    t, h0 = pl.program_id(0), pl.program_id(1) * hb
+    hs = h0 + jnp.arange(hb, dtype=jnp.int32) < q_ref.shape[1]
+    return h0, hs, _load(q_ref.at[t, pl.ds(h0, hb), :], hs[:, None], 0)
+
+
+def _store(ref, val, mask):
+    from jax.experimental.pallas import triton as plgpu
+
+    plgpu.store(ref, val, mask=jnp.broadcast_to(mask, val.shape))
+
+
+def _max_kernel(q_ref, *refs, hb: int, **geo):
+    from jax.experimental import pallas as pl
+
+    m_ref = refs[-1]
+    h0, hs, q = _heads(q_ref, hb)
+    m = _scan_keys(q, refs[:-1], jnp.full((hb,), -jnp.inf, F32),
+                   lambda m, lg, vals: jnp.maximum(m, jnp.max(lg, axis=1)), **geo)
+    _store(m_ref.at[pl.program_id(0), pl.ds(h0, hb)], m, hs)
+
+
+def _out_kernel(q_ref, m_ref, sink_ref, *refs, hb: int, dv: int, **geo):
+    from jax.experimental import pallas as pl
+
+    o_ref = refs[-1]
+    t, v0 = pl.program_id(0), pl.program_id(2) * dv
+    h0, hs, q = _heads(q_ref, hb)
+    m = jnp.maximum(_load(m_ref.at[t, pl.ds(h0, hb)], hs, 0), -1e30)
+
+    def add(carry, lg, vals):
+        acc, den = carry
+        p = jnp.exp(lg - m[:, None])
+        acc = acc + jnp.dot(p.astype(q.dtype), vals(), preferred_element_type=F32)
+        return acc, den + jnp.sum(p, axis=1)
+
+    acc, den = _scan_keys(q, refs[:-1], (jnp.zeros((hb, dv), F32), jnp.zeros((hb,), F32)), add, v0=v0, dv=dv,
+                          **geo)
+    den = den + jnp.exp(_load(sink_ref.at[pl.ds(h0, hb)], hs, 0) - m)
+    _store(o_ref.at[t, pl.ds(h0, hb), pl.ds(v0, dv)], (acc / den[:, None]).astype(o_ref.dtype), hs[:, None])
+
+
+def applies(head_dim: int) -> bool:
+    """Whether the kernel takes this head size (its value slices are powers of two >= 16)."""
+    return head_dim % 16 == 0
+
+
+def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, window: int, block: int,
+                        impl: str = "triton", gather: str = "kernel", hb: int | None = None, bk: int | None = None,
+                        dv: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+    """Attention of a chunk: ``q [B, S, H, d]`` at positions ``pos [B, S]`` over the window keys
+    ``kw [B, J, d]`` (ring ++ chunk, positions ``kpos [B, J]``, -1 = empty) and the selected
+    entries ``idx [B, S, K]`` (-1 = none) of the compressed cache ``cmp [B, Tc, d]`` (both None for
+    window-only layers), sink logits ``sink [H]`` -> ``o [B, S, H, d]`` in ``q.dtype``; see the
+    module docstring (``block``: ``_attend``'s query block, 0 = every token sees all of ``kw``).
+    Tiles default to ``TILES`` (powers of two >= 16, ``dv`` dividing d; ``hb`` at most the heads
+    rounded up to a power of two: heads past H are masked rows)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    from dsv41_jax.kernels.qmatmul import _largest_pow2_divisor, _pow2_at_least
+
+    if impl not in _IMPLS:
+        raise ValueError(f"sparse_attn_prefill: impl {impl!r} not in {_IMPLS}")
+    if gather not in ("kernel", "xla"):
+        raise ValueError(f"sparse_attn_prefill: gather {gather!r} (use kernel or xla)")
+    B, S, H, d = q.shape
+    J = kw.shape[1]
+    K = 0 if idx is None else idx.shape[-1]
+    tiles = _tiles()
+    hb = min(hb or tiles["hb"], max(16, _pow2_at_least(H)))
+    bk = bk or tiles["bk"]
+    dv = dv or _largest_pow2_divisor(d, tiles["dv"])
+    pow2 = lambda v: v >= 16 and not v & (v - 1)  # noqa: E731
+    if (kw.shape != (B, J, d) or kpos.shape != (B, J) or pos.shape != (B, S) or sink.shape != (H,)
+            or (K and (cmp is None or cmp.shape[0] != B or cmp.shape[2] != d or idx.shape != (B, S, K)))
+            or not (pow2(hb) and pow2(bk) and pow2(dv)) or d % dv or (block and S % block)):
+        raise ValueError(f"sparse_attn_prefill: q {q.shape}, pos {pos.shape}, kw {kw.shape}, kpos {kpos.shape}, cmp "
+                         f"{None if cmp is None else cmp.shape}, idx {None if idx is None else idx.shape}, sink "
+                         f"{sink.shape}, hb={hb}, bk={bk}, dv={dv}, block={block}: want [B, S, H, d], [B, S], "
+                         "[B, J, d], [B, J], [B, Tc, d], [B, S, K], [H]; hb, bk, dv powers of two >= 16, dv dividing "
+                         "d; block dividing S")
+    T = B * S
+    dt = q.dtype
+    interpret = impl == "interpret"
+    gathered = interpret or gather == "xla"
+    ops = [pos.reshape(T).astype(jnp.int32), kw.astype(dt), kpos.astype(jnp.int32)]
+    if K:
+        ids = idx.reshape(T, K).astype(jnp.int32)
+        if gathered:
+            src = jax.vmap(lambda c, i: c[i])(cmp.astype(dt), jnp.maximum(idx, 0)).reshape(T, K, d)
+        else:
+            src = cmp.astype(dt)
+        ops += [ids, src]
+    geo = dict(S=S, W=window, block=block, J=J, K=K, bk=bk, scale=float(scale), gathered=gathered)
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
+        num_warps=num_warps or tiles["num_warps"], num_stages=num_stages or tiles["num_stages"]))
+    qt = q.reshape(T, H, d)
+    m = pl.pallas_call(functools.partial(_max_kernel, hb=hb, **geo), out_shape=jax.ShapeDtypeStruct((T, H), F32),
+                       grid=(T, pl.cdiv(H, hb)), interpret=interpret, name="attn_prefill_max", **params)(qt, *ops)
+    o = pl.pallas_call(functools.partial(_out_kernel, hb=hb, dv=dv, **geo), out_shape=jax.ShapeDtypeStruct((T, H, d), dt),
+                       grid=(T, pl.cdiv(H, hb), d // dv), interpret=interpret, name="attn_prefill_out",
+                       **params)(qt, m, sink.astype(F32), *ops)
+    return o.reshape(B, S, H, d)
