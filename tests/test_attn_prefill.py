@@ -53,14 +53,16 @@ def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
     q, pos, kw, kpos, cmp, idx, sink = _case(B, S, H, d, W, Tc, K)
     want = _xla(q, pos, kw, kpos, cmp, idx, sink, W, q_block)
     block = max(q_block, W)
-    got = sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, d ** -0.5, window=W,
-                              block=0 if S <= 2 * block or S % block else block, impl="interpret", hb=16, bk=16,
-                              dv=min(32, d))
-    assert got.dtype == BF and got.shape == q.shape
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    # same rounding points; only fp32 summation orders differ: at most one bf16 ulp apart
-    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
-    assert np.mean(got == want) > 0.99
+    want = np.asarray(want, np.float32)
+    for skip in (True, False) if K else (True,):  # entry tiles without a valid entry skipped, or computed
+        got = sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, d ** -0.5, window=W,
+                                  block=0 if S <= 2 * block or S % block else block, impl="interpret", hb=16, bk=16,
+                                  dv=min(32, d), skip_entries=skip)
+        assert got.dtype == BF and got.shape == q.shape
+        got = np.asarray(got, np.float32)
+        # same rounding points; only fp32 summation orders differ: at most one bf16 ulp apart
+        np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
+        assert np.mean(got == want) > 0.99
 
 
 def test_bad_shapes_are_refused():

@@ -52,7 +52,7 @@ MIN_TOKENS = 64  # the model uses the kernel for chunks of more tokens than this
 DEFAULT = "0"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch)
 # tiles: heads per program, keys per tile, output columns per program of the second launch;
 # ``DSV41_ATTN_PREFILL_TILES`` (JSON, e.g. '{"dv": 512}') overrides fields for tuning
-TILES = dict(hb=64, bk=32, dv=256, num_warps=8, num_stages=2)
+TILES = dict(hb=64, bk=32, dv=256, num_warps=4, num_stages=2, skip_entries=True)
 
 
 def _tiles() -> dict:
@@ -77,8 +77,10 @@ def _load(ref, mask, other):
 
 
 def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int, bk: int, scale: float,
-               gathered: bool, v0=None, dv=None):
-    """Fold ``fn(carry, l, vals)`` over this program's key tiles that hold a valid key: ``l`` the
+               gathered: bool, skip_entries: bool, v0=None, dv=None):
+    """Fold ``fn(carry, l, vals)`` over this program's key tiles (window tiles without a valid key
+    skipped, entry tiles too with ``skip_entries``; a skip is a branch, which keeps Triton from
+    pipelining the loop's loads): ``l`` the
     tile's masked logits ``[hb, bk]`` (fp32), ``vals()`` its value columns ``[v0, v0 + dv)``
     (``[bk, dv]``, zeros where masked). ``refs``: pos, kw, kpos (and, with ``K``, idx and the
     compressed cache or the pre-gathered entries)."""
@@ -96,13 +98,13 @@ def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int
         lg = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale
         return jnp.where(ok[None, :], lg, -jnp.inf)
 
-    def tile(c0, ok, key_at, carry):
+    def tile(ok, key_at, carry, skip=True):
         def live(carry):
             keys = _load(key_at(slice(None)), ok[:, None], 0)
             vals = (lambda: keys) if whole else (lambda: _load(key_at(pl.ds(v0, dv)), ok[:, None], 0))
             return fn(carry, logits(keys, ok), vals)
 
-        return lax.cond(jnp.max(ok.astype(jnp.int32)) > 0, live, lambda c: c, carry)
+        return lax.cond(jnp.max(ok.astype(jnp.int32)) > 0, live, lambda c: c, carry) if skip else live(carry)
 
     lo = (s // block) * block if block else 0
     n = min(W + block, J) if block else J
@@ -112,7 +114,7 @@ def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int
         inside = c * bk + lanes < n
         kp = _load(kpos_ref.at[b, pl.ds(j0, bk)], inside, -1)
         ok = inside & (kp >= 0) & (kp <= p_t) & (kp > p_t - W)
-        return tile(j0, ok, lambda cols: kw_ref.at[b, pl.ds(j0, bk), cols], carry)
+        return tile(ok, lambda cols: kw_ref.at[b, pl.ds(j0, bk), cols], carry)
 
     carry = lax.fori_loop(0, pl.cdiv(n, bk), window, carry)
     if not K:
@@ -128,7 +130,7 @@ def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int
         else:
             rows = jnp.maximum(ids, 0)
             at = lambda cols: src_ref.at[b, rows, cols]  # noqa: E731  (a pointer gather)
-        return tile(c * bk, ok, at, carry)
+        return tile(ok, at, carry, skip_entries)
 
     return lax.fori_loop(0, pl.cdiv(K, bk), entries, carry)
 
@@ -186,7 +188,8 @@ def applies(head_dim: int) -> bool:
 
 def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, window: int, block: int,
                         impl: str = "triton", gather: str = "kernel", hb: int | None = None, bk: int | None = None,
-                        dv: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+                        dv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                        skip_entries: bool | None = None):
     """Attention of a chunk: ``q [B, S, H, d]`` at positions ``pos [B, S]`` over the window keys
     ``kw [B, J, d]`` (ring ++ chunk, positions ``kpos [B, J]``, -1 = empty) and the selected
     entries ``idx [B, S, K]`` (-1 = none) of the compressed cache ``cmp [B, Tc, d]`` (both None for
@@ -231,7 +234,8 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
         else:
             src = cmp.astype(dt)
         ops += [ids, src]
-    geo = dict(S=S, W=window, block=block, J=J, K=K, bk=bk, scale=float(scale), gathered=gathered)
+    geo = dict(S=S, W=window, block=block, J=J, K=K, bk=bk, scale=float(scale), gathered=gathered,
+               skip_entries=bool(tiles["skip_entries"] if skip_entries is None else skip_entries))
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
         num_warps=num_warps or tiles["num_warps"], num_stages=num_stages or tiles["num_stages"]))
     qt = q.reshape(T, H, d)
