@@ -219,10 +219,9 @@ def part_mhc(key, S: int = 8192, K: int = 4 * 5120, O: int = 24):
             emit(part="mhc", tokens=S, form=name, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-# run 26 call 2 (8 warps then): num_warps 4 best (7.3 ms vs 13.2), dv 512 next (8.4), stages no effect
-ATTN_TILES = ({}, dict(skip_entries=False), dict(skip_entries=False, num_stages=3), dict(bk=64),
-              dict(bk=64, skip_entries=False), dict(dv=512), dict(dv=512, skip_entries=False), dict(dv=128),
-              dict(num_warps=8, dv=512, skip_entries=False), dict(bk=16, skip_entries=False))
+# run 26 (calls 2-3) measured these and more around the default (docs/performance.md)
+ATTN_TILES = ({}, dict(skip_entries=True), dict(num_stages=3), dict(num_warps=4, dv=256), dict(num_warps=4, dv=256,
+              skip_entries=True), dict(bk=16), dict(dv=256), dict(gather="xla"))
 
 
 def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: int = 512, block: int = 256,

@@ -98,3 +98,27 @@ def test_golden_bf16_case_with_attention_on_the_kernel(monkeypatch):
     assert res and not failed, "\n".join(failed)
     assert {r.kind for r in res} == {"prefill", "decode"}
     assert any(s[1] >= 40 for s in calls) and any(s[1] == 1 for s in calls), calls
+
+
+def test_switch_and_tiles_env(monkeypatch):
+    """The model takes the kernel for prefill chunks only (more than ``MIN_TOKENS`` tokens per row),
+    never by default off the GPU; a bad ``DSV41_ATTN_PREFILL_TILES`` is one clear error."""
+    import dsv41_jax.kernels.attn_prefill as AP
+
+    def attend_kernel(S):
+        q, pos, kw, kpos, cmp, idx, sink = _case(1, S, 16, 32, 4, 6, 4)
+        fake = SimpleNamespace(numerics=SimpleNamespace(dtype=BF), window=4, head_dim=32, attn_sink=sink)
+        return Attention._attend_kernel(fake, q, pos, kw, kpos, cmp, idx, 0)
+
+    monkeypatch.delenv("DSV41_ATTN_PREFILL_KERNEL", raising=False)
+    assert attend_kernel(AP.MIN_TOKENS + 1) is None  # default "1": the kernel only where the Pallas kernels run
+    monkeypatch.setenv("DSV41_ATTN_PREFILL_KERNEL", "interpret")
+    assert attend_kernel(AP.MIN_TOKENS) is None      # decode steps and short chunks keep XLA's form
+    monkeypatch.setattr(AP, "MIN_TOKENS", 4)
+    assert attend_kernel(5).shape == (1, 5, 16, 32)
+    monkeypatch.setenv("DSV41_ATTN_PREFILL_TILES", '{"bq": 8}')
+    with pytest.raises(ValueError, match="unknown fields"):
+        attend_kernel(5)
+    monkeypatch.setenv("DSV41_ATTN_PREFILL_TILES", "dv=64")
+    with pytest.raises(ValueError, match="not a JSON object"):
+        attend_kernel(5)

@@ -49,10 +49,14 @@ from jax import lax
 F32 = jnp.float32
 _IMPLS = ("triton", "interpret")
 MIN_TOKENS = 64  # the model uses the kernel for chunks of more tokens than this (prefill)
-DEFAULT = "0"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch)
-# tiles: heads per program, keys per tile, output columns per program of the second launch;
-# ``DSV41_ATTN_PREFILL_TILES`` (JSON, e.g. '{"dv": 512}') overrides fields for tuning
-TILES = dict(hb=64, bk=32, dv=256, num_warps=4, num_stages=2, skip_entries=True)
+DEFAULT = "1"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch: on where the Pallas kernels are)
+# tiles: heads per program, keys per tile, output columns per program of the second launch, and
+# whether entry tiles without a valid entry are skipped (a branch in the loop). Measured on one
+# H200 at V4.1 sizes, 8k tokens (sweep_prefill.py --part attn, run 26): the whole head dim per
+# program on 8 warps, no entry branch, 32-key tiles: 6.5 ms per compressed layer (XLA 10.2 ms);
+# 256-wide value slices on 4 warps 7.3, on 8 warps 13.2; 64-key tiles 9.8-11.6 (or over the shared
+# memory). ``DSV41_ATTN_PREFILL_TILES`` (JSON, e.g. '{"dv": 256}') overrides fields for tuning.
+TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False)
 
 
 def _tiles() -> dict:
