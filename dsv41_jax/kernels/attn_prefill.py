@@ -28,8 +28,9 @@ Only the fp32 summation orders differ from XLA's. What it replaces: XLA's query-
 gathers the selected entries of every query into HBM (``[S, K, d]``: 4.3 GB per layer at 8k
 tokens and V4.1 sizes), runs batched GEMMs with 64-row operands and ~10 elementwise passes
 over the ``[S, H, K]`` logits, and copies each block in and out (run 26: ~18 ms of an 8k
-prefill's 99). Here the entries are read from the L2-resident compressed cache per key tile; key
-tiles without a valid key are skipped, so the window's blocked range costs its valid keys only.
+prefill's 99). Here the entries are read from the L2-resident compressed cache per key tile;
+window tiles without a valid key are skipped (a branch), so the window's blocked range costs
+little more than its valid keys; entry tiles are all computed by default (``skip_entries``).
 
 Implementations (``impl``): ``"triton"`` (GPU; the gather is a pointer gather inside the kernel),
 ``"interpret"`` (the Pallas interpreter; JAX 0.10's interpreter cannot run a gather load, so XLA
@@ -82,12 +83,11 @@ def _load(ref, mask, other):
 
 def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int, bk: int, scale: float,
                gathered: bool, skip_entries: bool, v0=None, dv=None):
-    """Fold ``fn(carry, l, vals)`` over this program's key tiles (window tiles without a valid key
-    skipped, entry tiles too with ``skip_entries``; a skip is a branch, which keeps Triton from
-    pipelining the loop's loads): ``l`` the
-    tile's masked logits ``[hb, bk]`` (fp32), ``vals()`` its value columns ``[v0, v0 + dv)``
-    (``[bk, dv]``, zeros where masked). ``refs``: pos, kw, kpos (and, with ``K``, idx and the
-    compressed cache or the pre-gathered entries)."""
+    """Fold ``fn(carry, l, vals)`` over this program's key tiles: ``l`` the tile's masked logits
+    ``[hb, bk]`` (fp32), ``vals()`` its value columns ``[v0, v0 + dv)`` (``[bk, dv]``, zeros where
+    masked). Window tiles without a valid key are skipped, entry tiles too with ``skip_entries``
+    (a skip is a branch, which keeps Triton from pipelining the loop's loads). ``refs``: pos, kw,
+    kpos (and, with ``K``, idx and the compressed cache or the pre-gathered entries)."""
     from jax.experimental import pallas as pl
 
     pos_ref, kw_ref, kpos_ref = refs[:3]
