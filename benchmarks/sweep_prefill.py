@@ -231,7 +231,7 @@ def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: in
     from types import SimpleNamespace
 
     from dsv41_jax.kernels.attn_prefill import sparse_attn_prefill
-    from dsv41_jax.model.attention import Attention, sparse_attn
+    from dsv41_jax.model.attention import Attention, query_block, sparse_attn
 
     ks = jax.random.split(key, 4)
     q = (0.05 * jax.random.normal(ks[0], (1, S, H, d), jnp.float32)).astype(BF16)
@@ -239,7 +239,7 @@ def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: in
     pos = jnp.arange(S, dtype=jnp.int32)[None]
     kw = jnp.concatenate([jnp.zeros((1, W, d), BF16), kv], axis=1)
     kpos = jnp.concatenate([jnp.full((1, W), -1, jnp.int32), pos], axis=1)
-    blk = 0 if S <= 2 * max(block, W) or S % max(block, W) else max(block, W)
+    blk = query_block(S, block, W)
     for ratio in ratios:
         cmp = idx = None
         n_entries = 0

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.kernels.attn_prefill import sparse_attn_prefill
-from dsv41_jax.model.attention import Attention, sparse_attn
+from dsv41_jax.model.attention import Attention, query_block, sparse_attn
 
 BF = jnp.bfloat16
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
@@ -52,11 +52,10 @@ def _xla(q, pos, kw, kpos, cmp, idx, sink, W, q_block):
 def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
     q, pos, kw, kpos, cmp, idx, sink = _case(B, S, H, d, W, Tc, K)
     want = _xla(q, pos, kw, kpos, cmp, idx, sink, W, q_block)
-    block = max(q_block, W)
     want = np.asarray(want, np.float32)
     for skip in (True, False) if K else (True,):  # entry tiles without a valid entry skipped, or computed
         got = sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, d ** -0.5, window=W,
-                                  block=0 if S <= 2 * block or S % block else block, impl="interpret", hb=16, bk=16,
+                                  block=query_block(S, q_block, W), impl="interpret", hb=16, bk=16,
                                   dv=min(32, d), skip_entries=skip)
         assert got.dtype == BF and got.shape == q.shape
         got = np.asarray(got, np.float32)

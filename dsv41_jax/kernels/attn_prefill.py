@@ -47,6 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dsv41_jax.kernels.qmatmul import _largest_pow2_divisor, _load, _pow2_at_least, _store
+
 F32 = jnp.float32
 _IMPLS = ("triton", "interpret")
 MIN_TOKENS = 64  # the model uses the kernel for chunks of more tokens than this (prefill)
@@ -73,12 +75,6 @@ def _tiles() -> dict:
             raise ValueError(f"DSV41_ATTN_PREFILL_TILES: unknown fields {sorted(bad)} (known: {sorted(TILES)})")
         tiles.update(extra)
     return tiles
-
-
-def _load(ref, mask, other):
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=other)
 
 
 def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int, bk: int, scale: float,
@@ -149,12 +145,6 @@ def _heads(q_ref, hb: int):
     return h0, hs, _load(q_ref.at[t, pl.ds(h0, hb), :], hs[:, None], 0)
 
 
-def _store(ref, val, mask):
-    from jax.experimental.pallas import triton as plgpu
-
-    plgpu.store(ref, val, mask=jnp.broadcast_to(mask, val.shape))
-
-
 def _max_kernel(q_ref, *refs, hb: int, **geo):
     from jax.experimental import pallas as pl
 
@@ -203,8 +193,6 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
     rounded up to a power of two: heads past H are masked rows)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
-
-    from dsv41_jax.kernels.qmatmul import _largest_pow2_divisor, _pow2_at_least
 
     if impl not in _IMPLS:
         raise ValueError(f"sparse_attn_prefill: impl {impl!r} not in {_IMPLS}")

@@ -306,10 +306,11 @@ def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb:
 
 
 # ------------------------------------------------------------------------------ kernel
-def _load(ref, mask):
+def _load(ref, mask, other=None):
+    """``ref``'s block with ``mask`` broadcast to its shape; masked elements read ``other``."""
     from jax.experimental.pallas import triton as plgpu
 
-    return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape))
+    return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=other)
 
 
 def _store(ref, val, mask):

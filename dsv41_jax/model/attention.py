@@ -34,6 +34,14 @@ def _scatter_rows(buf, idx, vals):
     return jax.vmap(lambda b, i, v: b.at[i].set(v.astype(b.dtype), mode="drop"))(buf, idx, vals)
 
 
+def query_block(S: int, q_block: int, window: int) -> int:
+    """The query block of an S-token chunk (attention and indexer), or 0 when it runs whole (at
+    most two blocks, or not a multiple of one). At least the window: later blocks must not need
+    ring slots, which are stored in slot order."""
+    block = max(q_block, window)
+    return 0 if S <= 2 * block or S % block else block
+
+
 def sparse_attn(q, kw, kw_ok, kc, kc_ok, sink, scale: float, dt):
     """Softmax over window keys + selected compressed entries (K = V), sink in the denominator:
     q [B,S,H,d], kw [B,J,d] with kw_ok [B,S,J], kc [B,S,K,d] with kc_ok [B,S,K] (or None), sink [H].
@@ -272,9 +280,9 @@ class Attention(nnx.Module):
             return idx, cand
 
         B, S = pos.shape
-        bq = max(self.q_block, self.window)
+        bq = query_block(S, self.q_block, self.window)
         cand_in = ctx.get("cand") if use else None
-        if capture is not None or S <= 2 * bq or S % bq:
+        if capture is not None or not bq:
             idx, cand = one(x, qr, pos, cand_in, iq)
         else:
             # on the kernel path the whole chunk's [S, T] scores come from one launch (a full GPU)
@@ -341,9 +349,8 @@ class Attention(nnx.Module):
         memory stays O(S * (W + bq + k)) instead of O(S^2)."""
         B, S = pos.shape
         W = self.window
-        block = max(self.q_block, W)  # later blocks must not need ring slots (stored in slot order)
-        blocked = not (S <= 2 * block or S % block)
-        o = self._attend_kernel(q, pos, kw, kpos, cmp_kv, idx, block if blocked else 0)
+        block = query_block(S, self.q_block, W)
+        o = self._attend_kernel(q, pos, kw, kpos, cmp_kv, idx, block)
         if o is not None:
             return o
 
@@ -356,7 +363,7 @@ class Attention(nnx.Module):
                 kc_ok = idxb >= 0
             return self._sparse_attn(qb, kwb, ok, kc, kc_ok)
 
-        if not blocked:
+        if not block:
             return one(q, pos, kw, kpos, idx)
         nb = S // block
 
