@@ -38,6 +38,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dsv41_jax.kernels.qmatmul import _pow2_at_least
+
 F32 = jnp.float32
 _IMPLS = ("auto", "triton", "interpret", "xla")
 DEFAULT_BLOCK = 256  # tokens per program (upper bound; fewer tokens -> a smaller power of two)
@@ -131,13 +133,6 @@ def _kernel(x_ref, o_ref, *, n: int, iters: int, eps: float, bt: int):
     for i in range(n):
         for j in range(n):
             o_ref[i * n + j, pl.ds(t0, bt)] = c[i][j]
-
-
-def _pow2_at_least(v: int) -> int:
-    p = 1
-    while p < v:
-        p *= 2
-    return p
 
 
 def choose_block(tokens: int, block: int = DEFAULT_BLOCK) -> int:
