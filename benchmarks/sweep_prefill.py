@@ -26,6 +26,15 @@ the window-only layer): the model's XLA form (``Attention._attend``: 256-query b
 gathered into HBM) against ``kernels.attn_prefill`` over its tiles (entries gathered inside the
 kernel, and by XLA before it); FLOPs count the valid keys only (QK and PV).
 
+``--part glu``: the first half of a prefill's routed experts (8k and 2k tokens, uniform random
+routing): ``kernels.moe_glu`` (rows gathered in the kernel, w1 + w3 and SwiGLU in one launch)
+over its tiles against the form it replaced (XLA's gather into the block layout, the fused
+w1 + w3 launch, XLA's SwiGLU); error columns against the first row of each size.
+
+``--part topk``: the indexer's top-512 of a prefill chunk (8192 rows of 4096 or 8192 entries) and
+of a batch-64 decode step: ``kernels.topk.topk_select`` against XLA's ``lax.top_k`` + sort
+(``equal`` must hold: the selection is exact).
+
     python3 benchmarks/sweep_prefill.py --part indexer,moe,mhc,attn
     python3 benchmarks/sweep_prefill.py --smoke      # tiny sizes in the Pallas interpreter (CPU)
 """
@@ -185,6 +194,94 @@ def part_moedq(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: in
             emit(part="moedq", tokens=T, chunk=c, weights=kind, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
+# (tokens, block rows, moe_glu tiles or "xla-path" for the replaced form)
+GLU_VARIANTS = ((8192, 160, "xla-path"), (8192, 160, {}), (8192, 160, dict(num_warps=8)),
+                (8192, 160, dict(bo=128, num_warps=8)), (8192, 160, dict(bk=128)), (8192, 160, dict(bk=32)),
+                (8192, 160, dict(num_stages=2)), (8192, 160, dict(num_stages=4)), (8192, 160, dict(gather="xla")),
+                (2048, 48, "xla-path"), (2048, 48, {}), (2048, 48, dict(bo=128, num_warps=8)))
+
+
+def part_glu(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304, limit: float = 10.0):
+    """The first half of a prefill's routed experts: ``kernels.moe_glu`` (rows gathered, w1 + w3
+    and SwiGLU in one launch) against the form it replaced (XLA's gather of the rows into the
+    block layout, the fused w1 + w3 ``grouped_qmatmul`` launch, XLA's SwiGLU over the layout)."""
+    from dsv41_jax.kernels.moe_glu import moe_glu
+    from dsv41_jax.model.moe import MoE, swiglu
+
+    k1, k2, k4 = jax.random.split(key, 3)
+    w1, w3 = bq.make_int8(k1, E, Ii, D), bq.make_int8(k2, E, Ii, D)
+    ref = {}
+    for T, c, tiles in GLU_VARIANTS:
+        try:
+            ids = jax.random.randint(jax.random.fold_in(k4, T), (T, k), 0, E, dtype=jnp.int32)
+            w = jax.random.uniform(k4, (T, k), jnp.float32)
+            fake = types.SimpleNamespace(n_experts=E, _blocks=functools.partial(MoE._blocks, types.SimpleNamespace(n_experts=E)))
+            row_token, ws, _, NC, blocks, n_used = MoE._rows(fake, w, ids, c)
+            x = jax.random.normal(k1, (T, D), jnp.float32).astype(BF16)
+
+            if tiles == "xla-path":
+                def first_half(x, row_token, ws, blocks, n_used, w1, w3, c=c):
+                    xs = jnp.take(x, jnp.where(row_token >= 0, row_token, T), axis=0, mode="fill", fill_value=0)
+                    g, u = Q.grouped_qmatmul_fused(xs, blocks, n_used, [w1, w3], bm=c, out_dtype=BF16, impl=IMPL)
+                    return (ws[:, None] * swiglu(g, u, limit)).astype(BF16)
+            else:
+                def first_half(x, row_token, ws, blocks, n_used, w1, w3, c=c, tiles=tiles):
+                    return moe_glu(x, row_token, ws, blocks, n_used, w1, w3, bm=c, limit=limit, impl=IMPL, **tiles)
+
+            def fn(i, s, *a):
+                return first_half(a[0] + s.astype(BF16), *a[1:])[:, :8]
+
+            args = (x, row_token, ws, blocks, n_used, w1, w3)
+            t, comp = bq.timeit(fn, *args, reps=3)
+            h = jax.jit(first_half)(*args)
+            live = int(n_used) * c
+            if (T, c) not in ref:
+                ref[T, c] = h
+            flops = 2.0 * T * k * 2 * Ii * D
+            emit(part="glu", tokens=T, chunk=c, form="xla-path" if tiles == "xla-path" else "moe_glu",
+                 tiles=None if tiles == "xla-path" else tiles, ms=round(t * 1e3, 3), TFLOPs=round(flops / t / 1e12, 1),
+                 rel_err=bq.rel_err(h[:live], ref[T, c][:live]),
+                 equal_frac=round(float(jnp.mean((h[:live] == ref[T, c][:live]).astype(jnp.float32))), 5),
+                 compile_s=round(comp, 1))
+        except Exception as e:  # noqa: BLE001
+            emit(part="glu", tokens=T, chunk=c, tiles=str(tiles), error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+# (rows, entries, k, form): the indexer's selection of a prefill chunk (8k tokens: 4096 ratio-2
+# entries, 8192 ratio-1 entries) and of a batch-64 decode step
+TOPK_VARIANTS = ((8192, 4096, 512, "xla"), (8192, 4096, 512, {}), (8192, 4096, 512, dict(num_warps=4)),
+                 (8192, 4096, 512, dict(num_warps=16)), (8192, 8192, 512, "xla"), (8192, 8192, 512, {}),
+                 (8192, 8192, 512, dict(num_warps=16)), (64, 4160, 512, "xla"), (64, 4160, 512, {}),
+                 (2048, 1024, 512, "xla"), (2048, 1024, 512, {}))
+
+
+def part_topk(key):
+    """``kernels.topk.topk_select`` against XLA's ``lax.top_k`` + sort of the indices (exact: the
+    ``equal`` column must be true)."""
+    from dsv41_jax.kernels.topk import topk_select
+    from dsv41_jax.model.layers import _top_k_indices_ascending_xla
+
+    for R, T, k, form in TOPK_VARIANTS:
+        try:
+            x = jax.random.normal(jax.random.fold_in(key, R + T), (R, T), jnp.float32).astype(BF16)
+            x = jnp.where(jnp.arange(T) < T - 7, x, -jnp.inf)  # a few masked entries, many bf16 ties
+            if form == "xla":
+                def sel(x):
+                    return _top_k_indices_ascending_xla(x, k)
+            else:
+                def sel(x, form=form):
+                    return topk_select(x, k, impl=IMPL, **form)
+
+            t, comp = bq.timeit(lambda i, s, x: sel(x + s.astype(BF16)), x, reps=5)
+            got = jax.jit(sel)(x)
+            want = jax.jit(lambda x: _top_k_indices_ascending_xla(x, k))(x)
+            emit(part="topk", rows=R, entries=T, k=k, form="xla" if form == "xla" else "topk_select",
+                 tiles=None if form == "xla" else form, ms=round(t * 1e3, 4),
+                 equal=bool(jnp.all(got == want)), compile_s=round(comp, 1))
+        except Exception as e:  # noqa: BLE001
+            emit(part="topk", rows=R, entries=T, k=k, form=str(form), error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
 MHC_TILES = ({}, dict(bt=64, bk=128, num_warps=4), dict(bt=128, bk=128), dict(bt=128, bk=32),
              dict(num_stages=4), dict(num_stages=2), dict(splits=1), dict(splits=4))
 
@@ -284,24 +381,30 @@ def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: in
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--part", default="indexer,moe", help="indexer, moe, moedq, mhc, attn (comma-separated)")
+    ap.add_argument("--part", default="indexer,moe",
+                    help="indexer, moe, moedq, mhc, attn, glu, topk (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
     key = jax.random.key(0)
-    parts = {"indexer": part_indexer, "moe": part_moe, "moedq": part_moedq, "mhc": part_mhc, "attn": part_attn}
+    parts = {"indexer": part_indexer, "moe": part_moe, "moedq": part_moedq, "mhc": part_mhc, "attn": part_attn,
+             "glu": part_glu, "topk": part_topk}
     if a.smoke:
-        global IMPL, INDEXER_TILES, MOE_VARIANTS, MHC_TILES, MOEDQ_VARIANTS, ATTN_TILES
+        global IMPL, INDEXER_TILES, MOE_VARIANTS, MHC_TILES, MOEDQ_VARIANTS, ATTN_TILES, GLU_VARIANTS, TOPK_VARIANTS
         IMPL, INDEXER_TILES = "interpret", ({}, dict(bq=16, bt=32))
         MHC_TILES = ({}, dict(bt=16, bk=64))
         ATTN_TILES = (dict(hb=16, bk=16, dv=32),)
         MOE_VARIANTS = ((32, 16, {}), (32, 48, dict(bo=32)), (64, 24, {}))
         MOEDQ_VARIANTS = (("int8", {}), ("int8", dict(lowp_dequant=True)), ("codes", {}), ("bf16", {}))
+        GLU_VARIANTS = ((32, 16, "xla-path"), (32, 16, {}), (32, 24, dict(bo=16)))
+        TOPK_VARIANTS = ((16, 100, 20, "xla"), (16, 100, 20, {}))
         parts = {"indexer": lambda k: part_indexer(k, S=64, H=2, hd=32, block=16),
                  "moe": lambda k: part_moe(k, k=2, E=4, D=64, Ii=32),
                  "moedq": lambda k: part_moedq(k, T=32, c=24, k=2, E=4, D=64, Ii=32),
                  "mhc": lambda k: part_mhc(k, S=160, K=512),
-                 "attn": lambda k: part_attn(k, S=40, H=16, d=64, W=8, K=16, block=8)}
+                 "attn": lambda k: part_attn(k, S=40, H=16, d=64, W=8, K=16, block=8),
+                 "glu": lambda k: part_glu(k, k=2, E=4, D=64, Ii=32),
+                 "topk": part_topk}
     for part in a.part.split(","):
         parts[part](key)
 

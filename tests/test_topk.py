@@ -104,19 +104,24 @@ def test_topk_kernel_switch(monkeypatch):
     ``DSV41_TOPK_KERNEL=0``; a bad value is one error."""
     from dsv41_jax.kernels import topk
 
-    calls = []
-    real = topk._pallas
+    calls, selects = [], []
+    real, real_select = topk._pallas, topk._select_pallas
     monkeypatch.setattr(topk, "_pallas", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    monkeypatch.setattr(topk, "_select_pallas", lambda *a, **kw: selects.append(a[0].shape) or real_select(*a, **kw))
     few, many = _scores(np.random.default_rng(1), (topk.MAX_ROWS, 50)), _scores(np.random.default_rng(2), (9, 50))
     monkeypatch.setenv("DSV41_TOPK_KERNEL", "interpret")
     for x in (few, many):
         np.testing.assert_array_equal(np.asarray(L.top_k_indices_ascending(x, 7)),
                                       np.sort(np.asarray(jax.lax.top_k(x, 7)[1]), axis=-1))
-    assert calls == [(topk.MAX_ROWS, 50)]
+    assert calls == [(topk.MAX_ROWS, 50)] and selects == [(9, 50)]  # more rows: the select kernel
     long = _scores(np.random.default_rng(3), (1, topk.MAX_ENTRIES + 1))  # a long context's entries: XLA
     np.testing.assert_array_equal(np.asarray(L.top_k_indices_ascending(long, 7)),
                                   np.sort(np.asarray(jax.lax.top_k(long, 7)[1]), axis=-1))
     assert len(calls) == 1
+    monkeypatch.setattr(topk, "SELECT_MAX_ENTRIES", 40)  # rows longer than one program holds: XLA
+    np.testing.assert_array_equal(np.asarray(L.top_k_indices_ascending(many, 7)),
+                                  np.sort(np.asarray(jax.lax.top_k(many, 7)[1]), axis=-1))
+    assert len(selects) == 1
     monkeypatch.setenv("DSV41_TOPK_KERNEL", "0")
     L.top_k_indices_ascending(few, 7)
     assert len(calls) == 1
@@ -125,3 +130,42 @@ def test_topk_kernel_switch(monkeypatch):
         L.top_k_indices_ascending(few, 7)
     with pytest.raises(ValueError, match="k=51"):
         topk.topk_ascending(few, 51, impl="interpret")
+
+
+# ------------------------------------------------------------------------------ the select kernel (many rows)
+SELECT_SHAPES = [((6, 2080), 512), ((2, 300), 64), ((5, 17), 17), ((1, 2, 33), 5), ((9, 40), 1), ((3, 4096), 512)]
+
+
+@pytest.mark.parametrize("shape,k", SELECT_SHAPES, ids=[f"{s}-k{k}" for s, k in SELECT_SHAPES])
+def test_select_kernel_equals_lax_top_k(shape, k):
+    """``kernels.topk.topk_select`` (threshold search + compaction, one program per row) in the
+    Pallas interpreter picks exactly lax.top_k's indices, ascending: many ties at the threshold
+    (small integers), -inf entries, zeros of both signs, NaNs (IEEE total order puts them at the
+    ends), rows that are not powers of two; bf16 and fp32 scores."""
+    from dsv41_jax.kernels.topk import topk_select
+
+    rng = np.random.default_rng(sum(shape) + k)
+    x = _scores(rng, shape)
+    x = x.at[..., 3::17].set(jnp.nan).at[..., 4::19].set(-jnp.nan)
+    normal = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    for xs in (x, x.astype(jnp.bfloat16), normal):
+        got = topk_select(xs, k, impl="interpret")
+        assert got.dtype == jnp.int32 and got.shape == (*shape[:-1], k)
+        np.testing.assert_array_equal(np.asarray(got), np.sort(np.asarray(jax.lax.top_k(xs, k)[1]), axis=-1))
+
+
+def test_select_kernel_errors_and_lowering():
+    """Bad k, too long rows, unknown impl: one clear error each; the Triton form lowers for CUDA
+    (checked without a GPU)."""
+    from dsv41_jax.kernels import topk
+
+    x = jnp.zeros((8, 50), jnp.float32)
+    with pytest.raises(ValueError, match="k=51"):
+        topk.topk_select(x, 51, impl="interpret")
+    with pytest.raises(ValueError, match="impl"):
+        topk.topk_select(x, 5, impl="cuda")
+    with pytest.raises(ValueError, match="at most"):
+        topk.topk_select(jnp.zeros((2, topk.SELECT_MAX_ENTRIES + 1)), 5, impl="interpret")
+    f = jax.jit(lambda a: topk.topk_select(a, 512, impl="triton"))
+    text = f.trace(jax.ShapeDtypeStruct((64, 4160), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "topk_select" in text

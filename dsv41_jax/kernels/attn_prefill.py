@@ -40,14 +40,12 @@ otherwise). ``gather="xla"`` forces the pre-gathered form on the GPU too (GPU ch
 from __future__ import annotations
 
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dsv41_jax.kernels.qmatmul import _largest_pow2_divisor, _load, _pow2_at_least, _store
+from dsv41_jax.kernels.qmatmul import _largest_pow2_divisor, _load, _pow2_at_least, _store, env_tiles
 
 F32 = jnp.float32
 _IMPLS = ("triton", "interpret")
@@ -63,18 +61,7 @@ TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False
 
 
 def _tiles() -> dict:
-    tiles = dict(TILES)
-    env = os.environ.get("DSV41_ATTN_PREFILL_TILES")
-    if env:
-        try:
-            extra = json.loads(env)
-            bad = set(extra) - set(TILES)
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"DSV41_ATTN_PREFILL_TILES={env!r}: not a JSON object ({e})") from None
-        if bad:
-            raise ValueError(f"DSV41_ATTN_PREFILL_TILES: unknown fields {sorted(bad)} (known: {sorted(TILES)})")
-        tiles.update(extra)
-    return tiles
+    return env_tiles("DSV41_ATTN_PREFILL_TILES", TILES)
 
 
 def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int, bk: int, scale: float,

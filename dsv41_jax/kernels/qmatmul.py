@@ -233,6 +233,23 @@ TUNING = {
 }
 
 
+def env_tiles(var: str, defaults: dict) -> dict:
+    """``defaults`` updated by the JSON object in the environment variable ``var`` (tuning runs);
+    a malformed value or an unknown field is one clear error."""
+    tiles = dict(defaults)
+    env = os.environ.get(var)
+    if env:
+        try:
+            extra = json.loads(env)
+            bad = set(extra) - set(defaults)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{var}={env!r}: not a JSON object ({e})") from None
+        if bad:
+            raise ValueError(f"{var}: unknown fields {sorted(bad)} (known: {sorted(defaults)})")
+        tiles.update(extra)
+    return tiles
+
+
 def _tuning(size: str) -> dict:
     cfg = dict(TUNING[size])
     env = os.environ.get("DSV41_QMATMUL_TUNING")

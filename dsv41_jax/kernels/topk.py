@@ -132,6 +132,79 @@ def _pallas(x, k: int, interpret: bool, bi: int | None, bj: int | None, num_warp
         name="topk_compact", **params(8))(sel)[:, :k]
 
 
+# ------------------------------------------------------------------------------ many rows
+# Prefill selects 512 of up to a few thousand entries for every query token (thousands of rows):
+# the ranking's T^2 comparisons per row are too many there, and XLA's sort of [rows, T] (key,
+# index) pairs plus the sort of the picked indices took ~4 ms of an 8k prefill (run 26 profile).
+SELECT_MAX_ENTRIES = 16384  # entries per row up to which one program holds a row in registers
+
+
+def _select_kernel(x_ref, o_ref, *, T: int, k: int, tp: int):
+    """One row per program: the threshold key ``t`` (the k-th largest) by a bitwise search (32
+    counting passes over the row held in registers), then the entries above ``t`` and the first
+    ``k - count(> t)`` entries equal to it (ties to the lower index), stored ascending."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    r = pl.program_id(0)
+    ii, key = _keys(x_ref, r, 0, tp, T)
+
+    def count_ge(t):
+        return jnp.sum((key >= t).astype(jnp.int32))
+
+    # the largest t with count(key >= t) >= k: the sign first, then bits 30..0 greedily (within one
+    # sign the int32 order of the keys is that of their low 31 bits)
+    t0 = jnp.where(count_ge(jnp.int32(0)) >= k, jnp.int32(0), jnp.int32(INT_MIN))
+
+    def bit(i, t):
+        cand = t | jax.lax.shift_left(jnp.int32(1), 30 - i)
+        return jnp.where(count_ge(cand) >= k, cand, t)
+
+    t = jax.lax.fori_loop(0, 31, bit, t0)
+    above = key > t
+    need = k - jnp.sum(above.astype(jnp.int32))  # entries equal to t that are kept: the first `need`
+    eq = key == t
+    sel = above | (eq & (jnp.cumsum(eq.astype(jnp.int32)) <= need))
+    slot = jnp.cumsum(sel.astype(jnp.int32)) - 1  # ascending: the selected entries before this one
+    # the others aim at the spare column k (masked; no two lanes of a real slot collide)
+    plgpu.store(o_ref.at[r, jnp.where(sel, slot, k)], ii, mask=sel)
+
+
+def _select_pallas(x, k: int, interpret: bool, num_warps: int | None):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    R, T = x.shape
+    tp = _pow2_at_least(T)
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
+        num_warps=num_warps or (8 if tp >= 4096 else 4), num_stages=1))
+    return pl.pallas_call(
+        functools.partial(_select_kernel, T=T, k=k, tp=tp),
+        out_shape=jax.ShapeDtypeStruct((R, k + 1), jnp.int32), grid=(R,), interpret=interpret,
+        cost_estimate=pl.CostEstimate(flops=70 * R * T, transcendentals=0, bytes_accessed=x.nbytes + 4 * R * k),
+        name="topk_select", **params)(x)[:, :k]
+
+
+def topk_select(x, k: int, *, impl: str = "triton", num_warps: int | None = None):
+    """What ``topk_ascending`` returns, for many rows (prefill: one per query token) of up to
+    ``SELECT_MAX_ENTRIES`` entries: one launch, a program per row (``_select_kernel``), about 70
+    operations per entry instead of a sort. Integer comparisons only: equal to ``lax.top_k``'s
+    choice bit for bit."""
+    from dsv41_jax.model.layers import _top_k_indices_ascending_xla
+
+    if impl not in _IMPLS:
+        raise ValueError(f"topk_select: impl {impl!r} not in {_IMPLS}")
+    T = x.shape[-1]
+    if not 0 < k <= T:
+        raise ValueError(f"topk_select: k={k} for rows of {T} entries: want 0 < k <= {T}")
+    if T > SELECT_MAX_ENTRIES:
+        raise ValueError(f"topk_select: rows of {T} entries; one program holds at most {SELECT_MAX_ENTRIES}")
+    if impl == "xla":
+        return _top_k_indices_ascending_xla(x, k)
+    lead = x.shape[:-1]
+    return _select_pallas(x.reshape(-1, T), k, impl == "interpret", num_warps).reshape(*lead, k)
+
+
 def topk_ascending(x, k: int, *, impl: str = "triton", bi: int | None = None, bj: int | None = None,
                    num_warps: int | None = None):
     """The ``k`` indices ``lax.top_k(x, k)`` picks from each row of ``x [..., T]``, ascending

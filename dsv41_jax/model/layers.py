@@ -398,18 +398,23 @@ def top_k_mask(x, k: int):
 
 
 def top_k_indices_ascending(x, k: int):
-    """The indices ``lax.top_k(x, k)`` selects, in ascending order (int32 [..., k]). Up to
-    ``kernels.topk.MAX_ROWS`` rows (decode) of at most ``kernels.topk.MAX_ENTRIES`` entries they
-    come from the ranking kernel ``kernels.topk.topk_ascending`` where ``DSV41_TOPK_KERNEL``
-    (``kernels.kernel_switch``: 1 default, 0, interpret) selects it; the result is the same
-    either way."""
+    """The indices ``lax.top_k(x, k)`` selects, in ascending order (int32 [..., k]). Where
+    ``DSV41_TOPK_KERNEL`` (``kernels.kernel_switch``: 1 default, 0, interpret) selects a kernel:
+    up to ``kernels.topk.MAX_ROWS`` rows (decode) of at most ``kernels.topk.MAX_ENTRIES``
+    entries from the ranking kernel ``kernels.topk.topk_ascending``, more rows (prefill, large
+    batches) of at most ``kernels.topk.SELECT_MAX_ENTRIES`` from ``kernels.topk.topk_select``;
+    otherwise XLA. The result is the same either way."""
     from dsv41_jax.kernels import kernel_switch
-    from dsv41_jax.kernels.topk import MAX_ENTRIES, MAX_ROWS, topk_ascending
+    from dsv41_jax.kernels.topk import MAX_ENTRIES, MAX_ROWS, SELECT_MAX_ENTRIES, topk_ascending, topk_select
 
     impl = kernel_switch("DSV41_TOPK_KERNEL")
     T = x.shape[-1]
-    if impl is not None and 0 < k <= T <= MAX_ENTRIES and math.prod(x.shape[:-1]) <= MAX_ROWS:
-        return topk_ascending(x, k, impl=impl)
+    if impl is not None and 0 < k <= T:
+        if math.prod(x.shape[:-1]) <= MAX_ROWS:
+            if T <= MAX_ENTRIES:
+                return topk_ascending(x, k, impl=impl)
+        elif T <= SELECT_MAX_ENTRIES:
+            return topk_select(x, k, impl=impl)
     return _top_k_indices_ascending_xla(x, k)
 
 

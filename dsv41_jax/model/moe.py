@@ -251,20 +251,28 @@ class MoE(nnx.Module):
         chunk_expert = jnp.minimum(jnp.searchsorted(cend, jnp.arange(NC), side="right"), E - 1).astype(jnp.int32)
         return order, pidx, NC, chunk_expert, cend[-1]
 
-    def _dispatch(self, xa, w, ids, chunk: int, cd):
-        """Gather the (token, slot) pairs into ``_blocks``' expert-sorted row layout.
-
-        Returns (xs [NC*chunk, D] rows in ``cd``, ws [NC*chunk] fp32 route weights, row_of_pair
-        [T*k] (the row pair ``t*k+s`` landed in), NC, block_expert, n_used). Rows are gathered and
-        only int32 indices are scattered (empty rows: zeros)."""
+    def _rows(self, w, ids, chunk: int):
+        """``_blocks``' expert-sorted row layout as indices: (row_token [NC*chunk] (the token of
+        each row's pair, -1 for empty rows), ws [NC*chunk] fp32 route weights (0 for empty rows),
+        row_of_pair [T*k] (the row pair ``t*k+s`` landed in), NC, block_expert, n_used). Only
+        int32 indices are scattered."""
         T, k = ids.shape
         N = T * k
         order, pidx, NC, block_expert, n_used = self._blocks(ids, chunk)
         rowsrc = jnp.full((NC * chunk,), N, jnp.int32).at[pidx].set(order.astype(jnp.int32))
-        xs = jnp.take(xa.astype(cd), rowsrc // k, axis=0, mode="fill", fill_value=0)
         ws = jnp.take(w.reshape(-1).astype(F32), rowsrc, axis=0, mode="fill", fill_value=0)
         row_of_pair = jnp.zeros((N,), jnp.int32).at[order].set(pidx.astype(jnp.int32))
-        return xs, ws, row_of_pair, NC, block_expert, n_used
+        row_token = jnp.where(rowsrc < N, rowsrc // k, -1)
+        return row_token, ws, row_of_pair, NC, block_expert, n_used
+
+    def _dispatch(self, xa, w, ids, chunk: int, cd):
+        """Gather the (token, slot) pairs into ``_blocks``' expert-sorted row layout: ``_rows``
+        with ``xs [NC*chunk, D]`` (the rows in ``cd``, zeros for empty rows) in place of the
+        row tokens."""
+        from dsv41_jax.kernels.moe_glu import _gathered_rows
+
+        row_token, *rest = self._rows(w, ids, chunk)
+        return (_gathered_rows(xa.astype(cd), row_token), *rest)
 
     def routed_grouped(self, x, w, ids, chunk: int = 128):
         """Grouped matmul without a dense emulation: (token, slot) pairs are sorted by expert and
@@ -305,6 +313,7 @@ class MoE(nnx.Module):
         ``routed_pallas_with_shared`` allows it): the shared expert's projections run in the same
         launches (``grouped_qmatmul_multi``) and its output is added."""
         from dsv41_jax.kernels import fused_launches, grouped_qmatmul_fused, grouped_qmatmul_multi
+        from dsv41_jax.kernels.moe_glu import glu_kernel, moe_glu
 
         dt = self.numerics.dtype
         ex = self.experts
@@ -339,9 +348,15 @@ class MoE(nnx.Module):
         if with_shared:
             raise ValueError("routed_pallas: with_shared is for decode (fewer pairs than experts)")
         c = pallas_chunk(N, self.n_experts)
-        xs, ws, row_of_pair, NC, blocks, n_used = self._dispatch(xa, w, ids, c, cd)
-        (g, u), _ = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
-        h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
+        if glu_kernel():  # rows gathered, w1 + w3 and SwiGLU in one launch
+            row_token, ws, row_of_pair, NC, blocks, n_used = self._rows(w, ids, c)
+            h = moe_glu(xa.astype(cd), row_token, ws, blocks, n_used,
+                        *((p.weight[...], p.scale[...] if p.int8 else None) for p in (ex.w1, ex.w3)),
+                        bm=c, limit=self.limit, out_dtype=dt)
+        else:
+            xs, ws, row_of_pair, NC, blocks, n_used = self._dispatch(xa, w, ids, c, cd)
+            (g, u), _ = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
+            h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
         ha, cd2 = self._aq(h)
         (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c)
         return combine_pairs(y, row_of_pair, T, k)

@@ -1,0 +1,196 @@
+"""The routed experts' first half for a prefill, as one launch: gathered rows, w1 and w3, SwiGLU.
+
+``moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, bm=..., limit=...)`` forms,
+for every row ``r`` of the expert-sorted block layout (``MoE._rows``: row block ``j`` of ``bm``
+rows belongs to expert ``block_group[j]``; ``row_token[r]`` is the token whose pair sits in row
+``r``, -1 for a padding row)::
+
+    xr   = x[row_token[r]]                       (zeros for padding rows)
+    g    = dt(xr . W1[e]^T),  u = dt(xr . W3[e]^T)     fp32 sums, one rounding each
+    h[r] = dt(row_weight[r] * swiglu(g, u, limit))
+
+which is what ``MoE.routed_pallas`` formed with XLA's gather of the rows (``MoE._dispatch``), one
+``grouped_qmatmul_fused`` launch for w1 and w3 and XLA's SwiGLU over every row of the layout:
+the same rounding points. Differences: the fp32 summation order, and SwiGLU's ``exp`` (Triton's
+against XLA's, which may move a rounding of ``h`` by one ulp).
+
+What it saves (an 8k prefill of V4.1-Flash, per layer; the layout is sized for the worst case,
+about twice the pairs): the gathered copy of the rows (1.1 GB written), ``g`` and ``u`` (written
+and read again by the SwiGLU pass over the whole layout) and the zeros of unused blocks. Rows of
+blocks ``>= n_blocks`` are not written at all: the w2 launch never reads them.
+
+A program owns one row block and ``bo`` output columns of both weights: per K step it loads the
+rows' inputs once (a pointer gather from ``x``), dequantizes one w1 and one w3 tile (int8 / e4m3
+codes x their ue8m0 bytes, as ``qmatmul``'s "dot" mode, weights on the left of the product) and
+multiplies both; blocks of ``tm + tail`` rows (``Config.tail``) reuse each weight tile for both
+row tiles. Implementations: ``"triton"`` (GPU), ``"interpret"`` (the Pallas interpreter: JAX
+0.10's cannot run a gather load, so XLA gathers the rows first there), ``"xla"``
+(:func:`moe_glu_reference`, the composition above: the test oracle and the CPU path).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from dsv41_jax.kernels.qmatmul import (QBLOCK, _check, _grouped, _largest_pow2_divisor, _load, _pow2_at_least, _store,
+                                      default_mult, env_tiles, grouped_qmatmul_reference, kernel_impl, scale_values)
+
+F32 = jnp.float32
+# Tiles measured on one H200 (sweep_prefill.py --part moe): ``bo`` output columns of each weight
+# per program, ``bk`` inputs per K step. ``DSV41_MOE_GLU_TILES`` (JSON) overrides fields.
+TILES = dict(bo=64, bk=64, num_warps=4, num_stages=3)
+
+
+def glu_kernel() -> bool:
+    """Whether ``MoE.routed_pallas`` runs a prefill's w1 + w3 through :func:`moe_glu`
+    (``DSV41_MOE_GLU``: 1, the default, or 0: XLA's gather, the ``grouped_qmatmul_fused`` launch
+    and XLA's SwiGLU, for A/B runs); read at trace time. Either way the kernels' implementation
+    is ``kernel_impl()``'s."""
+    import os
+
+    mode = os.environ.get("DSV41_MOE_GLU", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"DSV41_MOE_GLU={mode!r}: use 1 (the kernel, the default) or 0")
+    return mode == "1"
+
+
+def _gathered_rows(x, row_token):
+    """x's rows by ``row_token`` (zeros for -1)."""
+    return jnp.take(x, jnp.where(row_token >= 0, row_token, x.shape[0]), axis=0, mode="fill", fill_value=0)
+
+
+def moe_glu_reference(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int, limit: float,
+                      out_dtype=None, mult: float | None = None):
+    """XLA form of :func:`moe_glu`: gather, ``grouped_qmatmul_reference`` for each weight, SwiGLU."""
+    from dsv41_jax.model.moe import swiglu
+
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    xs = _gathered_rows(x, row_token)
+    g, u = (grouped_qmatmul_reference(xs, block_group, n_blocks, c, s, bm=bm, out_dtype=out_dtype, mult=mult)
+            for c, s in (w1, w3))
+    return (row_weight[:, None].astype(F32) * swiglu(g, u, limit)).astype(out_dtype)
+
+
+def _kernel(nb_ref, bg_ref, tok_ref, rw_ref, x_ref, *refs, bm: int, tm: int, tail: int, bo: int, bk: int, I: int,
+            K: int, scaled: bool, mult: float, limit: float, gathered: bool, cd, out_dtype):
+    from jax.experimental import pallas as pl
+
+    from dsv41_jax.model.moe import swiglu
+
+    w_refs = (refs[0:2], refs[2:4]) if scaled else ((refs[0],), (refs[1],))
+    h_ref = refs[-1]
+    oi, j = pl.program_id(0), pl.program_id(1)
+    parts = [(0, tm)] + ([(tm, tail)] if tail else [])
+    nkb = bk // QBLOCK
+    prec = lax.Precision.HIGHEST if cd == F32 else None
+
+    @pl.when(j < nb_ref[0])
+    def _block():
+        e = bg_ref[j]
+        o0 = pl.multiple_of(oi * bo, bo)
+        cols = o0 + jnp.arange(bo, dtype=jnp.int32)
+        omask = cols[:, None] < I                                                   # [bo, 1]
+        # rows of each part inside the block (a block of bm < tm rows is one padded tile)
+        inb = [off + jnp.arange(n, dtype=jnp.int32) < bm for off, n in parts]
+        toks = [_load(tok_ref.at[pl.ds(j * bm + off, n)], inb[p], -1) for p, (off, n) in enumerate(parts)]
+
+        def rows(p, k0):  # [n, bk] inputs of part p's rows
+            off, n = parts[p]
+            if gathered:
+                return _load(x_ref.at[pl.ds(j * bm + off, n), pl.ds(k0, bk)], inb[p][:, None], 0)
+            ok = toks[p] >= 0
+            return _load(x_ref.at[jnp.maximum(toks[p], 0), pl.ds(k0, bk)], ok[:, None], 0)  # a pointer gather
+
+        def weight(w, k0):  # [bo, bk] in cd
+            if not scaled:
+                return _load(w[0].at[e, pl.ds(o0, bo), pl.ds(k0, bk)], omask, 0).astype(cd)
+            b0 = pl.multiple_of(k0 // QBLOCK, nkb)
+            c = _load(w[0].at[e, pl.ds(o0, bo), pl.ds(b0, nkb), :], omask[:, :, None], 0)   # [bo, nkb, 32]
+            s = _load(w[1].at[e, pl.ds(o0, bo), pl.ds(b0, nkb)], omask, 0)                  # [bo, nkb]
+            return (c.astype(F32) * scale_values(s, mult)[:, :, None]).reshape(bo, bk).astype(cd)
+
+        def dot(w, a):  # w [bo, bk] . a [n, bk]^T -> [bo, n]
+            return lax.dot_general(w, a.astype(cd), (((1,), (1,)), ((), ())), precision=prec,
+                                   preferred_element_type=F32)
+
+        def step(kk, accs):
+            k0 = pl.multiple_of(kk * bk, bk)
+            w1, w3 = weight(w_refs[0], k0), weight(w_refs[1], k0)
+            out = []
+            for p in range(len(parts)):
+                a = rows(p, k0)
+                out += [accs[2 * p] + dot(w1, a), accs[2 * p + 1] + dot(w3, a)]
+            return tuple(out)
+
+        zeros = tuple(jnp.zeros((bo, n), F32) for _, n in parts for _ in range(2))
+        accs = lax.fori_loop(0, K // bk, step, zeros)
+        for p, (off, n) in enumerate(parts):
+            g, u = (a.T.astype(out_dtype) for a in accs[2 * p:2 * p + 2])
+            rw = _load(rw_ref.at[pl.ds(j * bm + off, n)], inb[p], 0)
+            h = rw[:, None] * swiglu(g, u, limit)
+            _store(h_ref.at[pl.ds(j * bm + off, n), pl.ds(o0, bo)], h.astype(out_dtype),
+                   inb[p][:, None] & (cols[None, :] < I))
+
+
+def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int, limit: float, out_dtype=None,
+            mult: float | None = None, impl: str = "auto", gather: str = "kernel", **tiles):
+    """``x [T, K]`` (the compute dtype), ``row_token [R]`` int32 (-1: padding row),
+    ``row_weight [R]`` fp32, ``block_group [R // bm]``, ``n_blocks`` (used blocks), ``w1`` / ``w3``
+    as ``(codes [G, I, K], scale [G, I, K // 32] or None)`` -> ``h [R, I]`` in ``out_dtype``
+    (default ``x.dtype``); see the module docstring. A block of ``bm`` rows runs as a power of
+    two plus a power-of-two tail >= 16 where it is one (160 = 128 + 32), else as one tile of the
+    next power of two (>= 16) with masked rows, as ``qmatmul``. ``tiles``: ``TILES`` fields.
+    Rows of blocks ``>= n_blocks`` are left unwritten by the kernels (zeros on the XLA route)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    if gather not in ("kernel", "xla"):
+        raise ValueError(f"moe_glu: gather {gather!r} (use kernel or xla)")
+    (c1, s1), (c3, s3) = _grouped(*w1), _grouped(*w3)
+    R = row_token.shape[0]
+    T, K = x.shape
+    probe = jax.ShapeDtypeStruct((R, K), x.dtype)
+    for c, s in ((c1, s1), (c3, s3)):
+        _check(probe, block_group, c, s, bm)
+    if c1.shape != c3.shape or c1.dtype != c3.dtype or (s1 is None) != (s3 is None) or row_weight.shape != (R,):
+        raise ValueError(f"moe_glu: w1 {c1.shape} {c1.dtype}, w3 {c3.shape} {c3.dtype}, row_weight "
+                         f"{row_weight.shape}: want equal weights (both scaled or neither) and [{R}] weights")
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    mult = default_mult(c1.dtype) if mult is None else float(mult)
+    impl = kernel_impl(impl)
+    if impl == "xla":
+        return moe_glu_reference(x, row_token, row_weight, block_group, n_blocks, (c1, s1), (c3, s3), bm=bm,
+                                 limit=limit, out_dtype=out_dtype, mult=mult)
+    t = env_tiles("DSV41_MOE_GLU_TILES", TILES)
+    t.update(tiles)
+    tm, tail = max(16, _pow2_at_least(bm)), 0  # one row tile (padded with masked rows) ...
+    rest = bm - tm // 2
+    if tm != bm and rest >= 16 and not rest & (rest - 1):  # ... or a power of two and a tail (160 = 128 + 32)
+        tm, tail = tm // 2, rest
+    I = c1.shape[1]
+    bo = min(t["bo"], max(16, _pow2_at_least(I)))
+    bk = _largest_pow2_divisor(K, t["bk"])
+    scaled = s1 is not None
+    if scaled and bk < QBLOCK:
+        raise ValueError(f"moe_glu: K={K} has no power-of-two step >= {QBLOCK}")
+    interpret = impl == "interpret"
+    gathered = interpret or gather == "xla"
+    xin = _gathered_rows(x, row_token) if gathered else x
+    ws = []
+    for c, s in ((c1, s1), (c3, s3)):
+        ws += [c.reshape(*c.shape[:2], K // QBLOCK, QBLOCK), s] if scaled else [c]
+    nb = R // bm
+    kern = functools.partial(_kernel, bm=bm, tm=tm, tail=tail, bo=bo, bk=bk, I=I, K=K, scaled=scaled, mult=mult,
+                             limit=float(limit), gathered=gathered, cd=x.dtype, out_dtype=out_dtype)
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=t["num_warps"],
+                                                                           num_stages=t["num_stages"]))
+    wbytes = 2 * c1.dtype.itemsize * I * K + (2 * I * K // QBLOCK if scaled else 0)
+    cost = pl.CostEstimate(flops=4 * R * I * K, transcendentals=R * I,
+                           bytes_accessed=nb * wbytes + R * K * x.dtype.itemsize + R * I * out_dtype.itemsize)
+    return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((R, I), out_dtype), grid=(pl.cdiv(I, bo), nb),
+                          interpret=interpret, cost_estimate=cost, name="moe_glu", **params)(
+        jnp.asarray(n_blocks, jnp.int32).reshape(1), block_group.astype(jnp.int32), row_token.astype(jnp.int32),
+        row_weight.astype(F32), xin, *ws)

@@ -1,0 +1,114 @@
+"""``kernels.moe_glu`` (a prefill's gathered rows, routed w1 + w3 and SwiGLU in one launch) in the
+Pallas interpreter against its XLA composition, and ``MoE.routed_pallas`` with and without it."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.kernels.moe_glu import moe_glu, moe_glu_reference
+from dsv41_jax.kernels.qmatmul import dequantize
+from dsv41_jax.model.moe import swiglu
+
+F32 = jnp.float32
+
+
+def _problem(rng, dt, scaled: bool, bm: int, G=5, I=80, K=96, T=30, blocks=6):
+    R = bm * blocks
+    x = jnp.asarray(rng.standard_normal((T, K)), dt)
+    tok = jnp.asarray(rng.integers(-1, T, R), jnp.int32)  # -1: padding rows
+    rw = jnp.asarray(rng.random(R), F32) * (tok >= 0)
+    bg = jnp.asarray(rng.permutation(np.arange(blocks) % G), jnp.int32)  # neighbouring blocks on other experts
+    if scaled:
+        def w():
+            return (jnp.asarray(rng.integers(-12, 13, (G, I, K)), jnp.int8),
+                    jnp.asarray(rng.integers(122, 128, (G, I, K // 32)), jnp.uint8))
+    else:
+        def w():
+            return jnp.asarray(rng.standard_normal((G, I, K)) * 0.2, dt), None
+    return x, tok, rw, bg, w(), w()
+
+
+CASES = [(F32, True, 16), (jnp.bfloat16, True, 48), (F32, True, 40), (F32, False, 32), (jnp.bfloat16, False, 160)]
+
+
+@pytest.mark.parametrize("dt,scaled,bm", CASES, ids=[f"{jnp.dtype(d).name}-{'int8' if s else 'float'}-bm{b}"
+                                                     for d, s, b in CASES])
+def test_moe_glu_equals_its_xla_form(dt, scaled, bm):
+    """Blocks of one tile, of a tile and a tail (48 = 32 + 16, 160 = 128 + 32) and of a padded tile
+    (40 in 64); output columns not a multiple of the tile (80 = 64 + 16); padding rows; blocks past
+    ``n_blocks`` not compared (left unwritten). Each row is also checked against a row-by-row
+    numpy form, so a block computed with a neighbour's expert shows."""
+    rng = np.random.default_rng(bm + scaled)
+    x, tok, rw, bg, w1, w3 = _problem(rng, dt, scaled, bm)
+    nb = 4
+    got = np.asarray(moe_glu(x, tok, rw, bg, nb, w1, w3, bm=bm, limit=1.5, impl="interpret"), np.float64)[:nb * bm]
+    want = np.asarray(moe_glu_reference(x, tok, rw, bg, nb, w1, w3, bm=bm, limit=1.5), np.float64)[:nb * bm]
+    # fp32: summation order; bf16: g, u and h are rounded to bf16, a different order may move one by an ulp
+    tol = 1e-5 if dt == F32 else 2 ** -7
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+    assert np.all(got[np.asarray(tok)[:nb * bm] < 0] == 0)
+    for r in range(0, nb * bm, 7):
+        e, t = int(bg[r // bm]), int(tok[r])
+        if t < 0:
+            continue
+        w1e, w3e = (np.asarray(dequantize(c[e], None if s is None else s[e], F32)) for c, s in (w1, w3))
+        xr = np.asarray(x[t], np.float32)
+        row = np.asarray(rw[r] * swiglu(jnp.asarray(w1e @ xr), jnp.asarray(w3e @ xr), 1.5))
+        assert np.abs(got[r] - row).max() <= 4 * tol * max(np.abs(row).max(), 1e-3), r
+
+
+def test_moe_glu_errors_and_lowering(monkeypatch):
+    """Mismatched weights, a bad gather value, a bad switch or tiles value: one clear error each;
+    the Triton form (rows gathered in the kernel) lowers for CUDA (checked without a GPU)."""
+    from dsv41_jax.kernels.moe_glu import glu_kernel
+
+    rng = np.random.default_rng(0)
+    x, tok, rw, bg, w1, w3 = _problem(rng, jnp.bfloat16, True, 16)
+    with pytest.raises(ValueError, match="moe_glu: w1"):
+        moe_glu(x, tok, rw, bg, 2, w1, (w3[0][:, :64], w3[1][:, :64]), bm=16, limit=0.0, impl="interpret")
+    with pytest.raises(ValueError, match="gather"):
+        moe_glu(x, tok, rw, bg, 2, w1, w3, bm=16, limit=0.0, impl="interpret", gather="torch")
+    monkeypatch.setenv("DSV41_MOE_GLU_TILES", '{"bq": 32}')
+    with pytest.raises(ValueError, match="DSV41_MOE_GLU_TILES"):
+        moe_glu(x, tok, rw, bg, 2, w1, w3, bm=16, limit=0.0, impl="interpret")
+    monkeypatch.delenv("DSV41_MOE_GLU_TILES")
+    monkeypatch.setenv("DSV41_MOE_GLU", "yes")
+    with pytest.raises(ValueError, match="DSV41_MOE_GLU"):
+        glu_kernel()
+    f = jax.jit(lambda *a: moe_glu(*a[:4], 300, *a[4:], bm=160, limit=10.0, impl="triton"))
+    SD = jax.ShapeDtypeStruct
+    args = (SD((2048, 5120), jnp.bfloat16), SD((160 * 400,), jnp.int32), SD((160 * 400,), F32), SD((400,), jnp.int32),
+            (SD((384, 2304, 5120), jnp.int8), SD((384, 2304, 160), jnp.uint8)),
+            (SD((384, 2304, 5120), jnp.int8), SD((384, 2304, 160), jnp.uint8)))
+    assert "moe_glu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dt", [F32, jnp.bfloat16])
+def test_routed_pallas_with_and_without_the_glu_kernel(dt, monkeypatch):
+    """A prefill through ``MoE.routed_pallas`` (interpreter kernels): the one-launch w1 + w3 +
+    SwiGLU against XLA's gather, the fused w1 + w3 launch and XLA's SwiGLU (``DSV41_MOE_GLU=0``)."""
+    from dsv41_jax.config import preset, with_text_overrides
+    from dsv41_jax.model.moe import MoE
+    from dsv41_jax.numerics import Numerics
+
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    cfg = with_text_overrides(preset("tiny"), n_routed_experts=24, num_experts_per_tok=3, moe_intermediate_size=96)
+    t = cfg.text
+    moe = MoE(t, Numerics(jnp.dtype(dt).name, "fast"), vision=False, experts_int8=True)
+    rng = np.random.default_rng(2)
+    E, D, I = t.n_routed_experts, t.hidden_size, t.moe_intermediate_size
+    moe.gate.weight.set_value(jnp.asarray(rng.standard_normal((E, D)) * 0.3, dt))
+    for name, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+        p = getattr(moe.experts, name)
+        p.weight.set_value(jnp.asarray(rng.integers(-12, 13, (E, o, i)), jnp.int8))
+        p.scale.set_value(jnp.asarray(rng.integers(122, 126, (E, o, i // 32)), jnp.uint8))
+    x = jnp.asarray(rng.standard_normal((64, D)), dt)
+    w, ids = moe.gate(x)
+    outs = {}
+    for mode in ("1", "0"):
+        monkeypatch.setenv("DSV41_MOE_GLU", mode)
+        outs[mode] = np.asarray(jax.jit(moe.routed_pallas)(x, w, ids), np.float64)
+    tol = 1e-5 if dt == F32 else 2 ** -7
+    assert np.abs(outs["1"] - outs["0"]).max() <= tol * np.abs(outs["0"]).max()
