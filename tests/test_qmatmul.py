@@ -523,3 +523,17 @@ def test_tuning_env_override(monkeypatch):
         monkeypatch.setenv("DSV41_QMATMUL_TUNING", bad)
         with pytest.raises(ValueError, match="not a JSON object"):
             Q.choose_config(128, 2304, 5120, True)
+
+
+def test_unused_blocks_left_unwritten_on_request():
+    """``dead_zeros=False`` (a prefill's routed w2): the used blocks are the same, the unused ones
+    are not written (the default zero-fills them)."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((4 * 16, 64)), F32)
+    codes = jnp.asarray(rng.integers(-12, 13, (3, 48, 64)), jnp.int8)
+    scale = jnp.asarray(rng.integers(122, 128, (3, 48, 2)), jnp.uint8)
+    bg = jnp.asarray([2, 0, 1, 1], jnp.int32)
+    full = np.asarray(Q.grouped_qmatmul(x, bg, 2, codes, scale, bm=16, impl="interpret"))
+    part = np.asarray(Q.grouped_qmatmul(x, bg, 2, codes, scale, bm=16, impl="interpret", dead_zeros=False))
+    np.testing.assert_array_equal(part[:32], full[:32])
+    assert np.all(full[32:] == 0)

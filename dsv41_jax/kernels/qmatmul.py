@@ -166,7 +166,9 @@ class Config:
     ``split``): a row block holds ``tm + tail`` rows (``bm``, not a power of two, e.g. 160 =
     128 + 32) and each K step multiplies the one dequantized weight tile by both row tiles (two
     MMAs): an expert block slightly larger than a power of two costs one weight read and few
-    padded rows instead of a second block."""
+    padded rows instead of a second block. ``dead_zeros`` False: row blocks ``>= n_blocks`` are
+    left unwritten instead of zero-filled (callers that never read them: a prefill's routed w2,
+    whose unused blocks are about 40% of the layout)."""
     mode: str
     tm: int
     bo: int
@@ -180,6 +182,7 @@ class Config:
     lowp_dequant: bool = False
     wlhs: bool = False
     tail: int = 0
+    dead_zeros: bool = True
 
 
 # split-K target: about this many programs in flight (4 per SM of a 132-SM H200)
@@ -489,6 +492,9 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
             elif cfg.wlhs:
                 acc = acc.T
         put(acc)
+
+    if not cfg.dead_zeros:
+        return
 
     @pl.when(jnp.logical_not(live))
     def _skip():

@@ -321,7 +321,7 @@ class MoE(nnx.Module):
         T, k = ids.shape
         N = T * k
 
-        def qmm(a, blocks, n, ps, bm, shared_in=None, shared_mods=(), shared_xq=None):
+        def qmm(a, blocks, n, ps, bm, shared_in=None, shared_mods=(), shared_xq=None, **tiles):
             """One launch for the projections ``ps`` of the same rows (and, with ``shared_in``, the
             shared expert's ``shared_mods`` on it); returns (routed outputs, shared outputs or None)."""
             ws = [(p.weight[...], p.scale[...] if p.int8 else None) for p in ps]
@@ -331,8 +331,9 @@ class MoE(nnx.Module):
                                                            out_dtype=dt), prob])
                 return ours, finish(theirs)
             if not fused_launches():
-                return tuple(grouped_qmatmul_fused(a, blocks, n, [wi], bm=bm, out_dtype=dt)[0] for wi in ws), None
-            return grouped_qmatmul_fused(a, blocks, n, ws, bm=bm, out_dtype=dt), None
+                return tuple(grouped_qmatmul_fused(a, blocks, n, [wi], bm=bm, out_dtype=dt, **tiles)[0]
+                             for wi in ws), None
+            return grouped_qmatmul_fused(a, blocks, n, ws, bm=bm, out_dtype=dt, **tiles), None
 
         xa, cd = self._aq(x, xq)
         if N < self.n_experts:
@@ -358,7 +359,8 @@ class MoE(nnx.Module):
             (g, u), _ = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
             h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
         ha, cd2 = self._aq(h)
-        (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c)
+        # combine_pairs reads the rows of pairs only: unused blocks of y stay unwritten
+        (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c, dead_zeros=False)
         return combine_pairs(y, row_of_pair, T, k)
 
     def routed_pallas_with_shared(self, x, w, ids, xq=None):
