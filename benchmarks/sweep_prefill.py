@@ -29,7 +29,8 @@ kernel, and by XLA before it); FLOPs count the valid keys only (QK and PV).
 ``--part glu``: the first half of a prefill's routed experts (8k and 2k tokens, uniform random
 routing): ``kernels.moe_glu`` (rows gathered in the kernel, w1 + w3 and SwiGLU in one launch)
 over its tiles against the form it replaced (XLA's gather into the block layout, the fused
-w1 + w3 launch, XLA's SwiGLU); error columns against the first row of each size.
+w1 + w3 launch, XLA's SwiGLU), also with the fp8 quantization of h (reference numerics) in the
+epilogue against ``MoE._aq``'s; error columns against the first row of each size and form.
 
 ``--part topk``: the indexer's top-512 of a prefill chunk (8192 rows of 4096 or 8192 entries) and
 of a batch-64 decode step: ``kernels.topk.topk_select`` against XLA's ``lax.top_k`` + sort
@@ -194,17 +195,19 @@ def part_moedq(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: in
             emit(part="moedq", tokens=T, chunk=c, weights=kind, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-# (tokens, block rows, moe_glu tiles or "xla-path" for the replaced form)
+# (tokens, block rows, moe_glu keywords or "xla-path" for the replaced form; "act_quant": the fp8
+# quantization of h that reference numerics apply before w2, in the epilogue / by MoE._aq)
 GLU_VARIANTS = ((8192, 160, "xla-path"), (8192, 160, {}), (8192, 160, dict(num_warps=8)),
-                (8192, 160, dict(bo=128, num_warps=8)), (8192, 160, dict(bk=128)), (8192, 160, dict(bk=32)),
-                (8192, 160, dict(num_stages=2)), (8192, 160, dict(num_stages=4)), (8192, 160, dict(gather="xla")),
-                (2048, 48, "xla-path"), (2048, 48, {}), (2048, 48, dict(bo=128, num_warps=8)))
+                (8192, 160, dict(bo=32)), (8192, 160, dict(num_stages=4)), (8192, 160, dict(gather="xla")),
+                (8192, 160, "xla-path+act_quant"), (8192, 160, dict(act_quant=True)),
+                (2048, 48, "xla-path"), (2048, 48, {}), (2048, 48, dict(bo=32)))
 
 
 def part_glu(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304, limit: float = 10.0):
     """The first half of a prefill's routed experts: ``kernels.moe_glu`` (rows gathered, w1 + w3
     and SwiGLU in one launch) against the form it replaced (XLA's gather of the rows into the
     block layout, the fused w1 + w3 ``grouped_qmatmul`` launch, XLA's SwiGLU over the layout)."""
+    from dsv41_jax import quant
     from dsv41_jax.kernels.moe_glu import moe_glu
     from dsv41_jax.model.moe import MoE, swiglu
 
@@ -219,11 +222,14 @@ def part_glu(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304, limit
             row_token, ws, _, NC, blocks, n_used = MoE._rows(fake, w, ids, c)
             x = jax.random.normal(k1, (T, D), jnp.float32).astype(BF16)
 
-            if tiles == "xla-path":
-                def first_half(x, row_token, ws, blocks, n_used, w1, w3, c=c):
+            xla_path = isinstance(tiles, str)
+            aq = tiles == "xla-path+act_quant" or (not xla_path and tiles.get("act_quant", False))
+            if xla_path:
+                def first_half(x, row_token, ws, blocks, n_used, w1, w3, c=c, aq=aq):
                     xs = jnp.take(x, jnp.where(row_token >= 0, row_token, T), axis=0, mode="fill", fill_value=0)
                     g, u = Q.grouped_qmatmul_fused(xs, blocks, n_used, [w1, w3], bm=c, out_dtype=BF16, impl=IMPL)
-                    return (ws[:, None] * swiglu(g, u, limit)).astype(BF16)
+                    h = (ws[:, None] * swiglu(g, u, limit)).astype(BF16)
+                    return quant.act_quant_fp8(h.astype(jnp.float32), 32).astype(BF16) if aq else h
             else:
                 def first_half(x, row_token, ws, blocks, n_used, w1, w3, c=c, tiles=tiles):
                     return moe_glu(x, row_token, ws, blocks, n_used, w1, w3, bm=c, limit=limit, impl=IMPL, **tiles)
@@ -235,13 +241,13 @@ def part_glu(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304, limit
             t, comp = bq.timeit(fn, *args, reps=3)
             h = jax.jit(first_half)(*args)
             live = int(n_used) * c
-            if (T, c) not in ref:
-                ref[T, c] = h
+            if (T, c, aq) not in ref:
+                ref[T, c, aq] = h
             flops = 2.0 * T * k * 2 * Ii * D
-            emit(part="glu", tokens=T, chunk=c, form="xla-path" if tiles == "xla-path" else "moe_glu",
-                 tiles=None if tiles == "xla-path" else tiles, ms=round(t * 1e3, 3), TFLOPs=round(flops / t / 1e12, 1),
-                 rel_err=bq.rel_err(h[:live], ref[T, c][:live]),
-                 equal_frac=round(float(jnp.mean((h[:live] == ref[T, c][:live]).astype(jnp.float32))), 5),
+            emit(part="glu", tokens=T, chunk=c, form=tiles if xla_path else "moe_glu", act_quant=aq,
+                 tiles=None if xla_path else tiles, ms=round(t * 1e3, 3), TFLOPs=round(flops / t / 1e12, 1),
+                 rel_err=bq.rel_err(h[:live], ref[T, c, aq][:live]),
+                 equal_frac=round(float(jnp.mean((h[:live] == ref[T, c, aq][:live]).astype(jnp.float32))), 5),
                  compile_s=round(comp, 1))
         except Exception as e:  # noqa: BLE001
             emit(part="glu", tokens=T, chunk=c, tiles=str(tiles), error=f"{type(e).__name__}: {str(e)[:300]}")
@@ -396,7 +402,8 @@ def main():
         ATTN_TILES = (dict(hb=16, bk=16, dv=32),)
         MOE_VARIANTS = ((32, 16, {}), (32, 48, dict(bo=32)), (64, 24, {}))
         MOEDQ_VARIANTS = (("int8", {}), ("int8", dict(lowp_dequant=True)), ("codes", {}), ("bf16", {}))
-        GLU_VARIANTS = ((32, 16, "xla-path"), (32, 16, {}), (32, 24, dict(bo=16)))
+        GLU_VARIANTS = ((32, 16, "xla-path"), (32, 16, {}), (32, 24, dict(bo=16)), (32, 16, "xla-path+act_quant"),
+                        (32, 16, dict(act_quant=True)))
         TOPK_VARIANTS = ((16, 100, 20, "xla"), (16, 100, 20, {}))
         parts = {"indexer": lambda k: part_indexer(k, S=64, H=2, hd=32, block=16),
                  "moe": lambda k: part_moe(k, k=2, E=4, D=64, Ii=32),

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dsv41_jax import quant
 from dsv41_jax.kernels.moe_glu import moe_glu, moe_glu_reference
 from dsv41_jax.kernels.qmatmul import dequantize
 from dsv41_jax.model.moe import swiglu
@@ -30,21 +31,24 @@ def _problem(rng, dt, scaled: bool, bm: int, G=5, I=80, K=96, T=30, blocks=6):
     return x, tok, rw, bg, w(), w()
 
 
-CASES = [(F32, True, 16), (jnp.bfloat16, True, 48), (F32, True, 40), (F32, False, 32), (jnp.bfloat16, False, 160)]
+CASES = [(F32, True, 16, False), (jnp.bfloat16, True, 48, False), (F32, True, 40, False), (F32, False, 32, False),
+         (jnp.bfloat16, False, 160, False), (jnp.bfloat16, True, 48, True)]
 
 
-@pytest.mark.parametrize("dt,scaled,bm", CASES, ids=[f"{jnp.dtype(d).name}-{'int8' if s else 'float'}-bm{b}"
-                                                     for d, s, b in CASES])
-def test_moe_glu_equals_its_xla_form(dt, scaled, bm):
+@pytest.mark.parametrize("dt,scaled,bm,aq", CASES, ids=[
+    f"{jnp.dtype(d).name}-{'int8' if s else 'float'}-bm{b}{'-actquant' if q else ''}" for d, s, b, q in CASES])
+def test_moe_glu_equals_its_xla_form(dt, scaled, bm, aq):
     """Blocks of one tile, of a tile and a tail (48 = 32 + 16, 160 = 128 + 32) and of a padded tile
     (40 in 64); output columns not a multiple of the tile (80 = 64 + 16); padding rows; blocks past
-    ``n_blocks`` not compared (left unwritten). Each row is also checked against a row-by-row
-    numpy form, so a block computed with a neighbour's expert shows."""
+    ``n_blocks`` not compared (left unwritten); the fp8 quantization of h (reference numerics).
+    Each row is also checked against a row-by-row numpy form, so a block computed with a
+    neighbour's expert shows."""
     rng = np.random.default_rng(bm + scaled)
-    x, tok, rw, bg, w1, w3 = _problem(rng, dt, scaled, bm)
+    x, tok, rw, bg, w1, w3 = _problem(rng, dt, scaled, bm, I=96 if aq else 80)
     nb = 4
-    got = np.asarray(moe_glu(x, tok, rw, bg, nb, w1, w3, bm=bm, limit=1.5, impl="interpret"), np.float64)[:nb * bm]
-    want = np.asarray(moe_glu_reference(x, tok, rw, bg, nb, w1, w3, bm=bm, limit=1.5), np.float64)[:nb * bm]
+    kw = dict(bm=bm, limit=1.5, act_quant=aq)
+    got = np.asarray(moe_glu(x, tok, rw, bg, nb, w1, w3, impl="interpret", **kw), np.float64)[:nb * bm]
+    want = np.asarray(moe_glu_reference(x, tok, rw, bg, nb, w1, w3, **kw), np.float64)[:nb * bm]
     # fp32: summation order; bf16: g, u and h are rounded to bf16, a different order may move one by an ulp
     tol = 1e-5 if dt == F32 else 2 ** -7
     assert np.abs(got - want).max() <= tol * np.abs(want).max()
@@ -55,8 +59,10 @@ def test_moe_glu_equals_its_xla_form(dt, scaled, bm):
             continue
         w1e, w3e = (np.asarray(dequantize(c[e], None if s is None else s[e], F32)) for c, s in (w1, w3))
         xr = np.asarray(x[t], np.float32)
-        row = np.asarray(rw[r] * swiglu(jnp.asarray(w1e @ xr), jnp.asarray(w3e @ xr), 1.5))
-        assert np.abs(got[r] - row).max() <= 4 * tol * max(np.abs(row).max(), 1e-3), r
+        row = rw[r] * swiglu(jnp.asarray(w1e @ xr).astype(dt), jnp.asarray(w3e @ xr).astype(dt), 1.5)
+        row = np.asarray(quant.act_quant_fp8(row.astype(dt).astype(F32), 32) if aq else row)
+        # (with the fp8 quantization one ulp of h may move a code by one e4m3 step: 2^-3 relative)
+        assert np.abs(got[r] - row).max() <= (2 ** -3 if aq else 4 * tol) * max(np.abs(row).max(), 1e-3), r
 
 
 def test_moe_glu_errors_and_lowering(monkeypatch):
@@ -85,18 +91,26 @@ def test_moe_glu_errors_and_lowering(monkeypatch):
     assert "moe_glu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("dt", [F32, jnp.bfloat16])
-def test_routed_pallas_with_and_without_the_glu_kernel(dt, monkeypatch):
-    """A prefill through ``MoE.routed_pallas`` (interpreter kernels): the one-launch w1 + w3 +
-    SwiGLU against XLA's gather, the fused w1 + w3 launch and XLA's SwiGLU (``DSV41_MOE_GLU=0``)."""
+@pytest.mark.parametrize("numerics", ["float32-fast", "bfloat16-reference"])
+def test_routed_pallas_with_and_without_the_glu_kernel(numerics, monkeypatch):
+    """A prefill through ``MoE.routed_pallas`` (interpreter kernels, 32-row expert blocks): the
+    one-launch w1 + w3 + SwiGLU (+ the fp8 quantization of h in reference numerics) against XLA's
+    gather, the fused w1 + w3 launch, XLA's SwiGLU and ``MoE._aq`` (``DSV41_MOE_GLU=0``); blocks
+    below ``GLU_MIN_ROWS`` rows keep the fused launch."""
+    import dsv41_jax.kernels.moe_glu as G
     from dsv41_jax.config import preset, with_text_overrides
-    from dsv41_jax.model.moe import MoE
+    from dsv41_jax.model import moe as M
     from dsv41_jax.numerics import Numerics
 
     monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    calls = []
+    real = G.moe_glu
+    monkeypatch.setattr(G, "moe_glu", lambda *a, **kw: calls.append(kw["bm"]) or real(*a, **kw))
     cfg = with_text_overrides(preset("tiny"), n_routed_experts=24, num_experts_per_tok=3, moe_intermediate_size=96)
     t = cfg.text
-    moe = MoE(t, Numerics(jnp.dtype(dt).name, "fast"), vision=False, experts_int8=True)
+    dt = jnp.dtype(numerics.split("-")[0])
+    moe = M.MoE(t, Numerics(*numerics.split("-")), vision=False, experts_int8=True)
+    moe.experts.quantized = moe.numerics.fake_quant
     rng = np.random.default_rng(2)
     E, D, I = t.n_routed_experts, t.hidden_size, t.moe_intermediate_size
     moe.gate.weight.set_value(jnp.asarray(rng.standard_normal((E, D)) * 0.3, dt))
@@ -107,8 +121,14 @@ def test_routed_pallas_with_and_without_the_glu_kernel(dt, monkeypatch):
     x = jnp.asarray(rng.standard_normal((64, D)), dt)
     w, ids = moe.gate(x)
     outs = {}
+    monkeypatch.setenv("DSV41_MOE_CHUNK", "32")
     for mode in ("1", "0"):
         monkeypatch.setenv("DSV41_MOE_GLU", mode)
         outs[mode] = np.asarray(jax.jit(moe.routed_pallas)(x, w, ids), np.float64)
+    assert calls == [32]
     tol = 1e-5 if dt == F32 else 2 ** -7
     assert np.abs(outs["1"] - outs["0"]).max() <= tol * np.abs(outs["0"]).max()
+    monkeypatch.setenv("DSV41_MOE_GLU", "1")
+    monkeypatch.setenv("DSV41_MOE_CHUNK", str(M.GLU_MIN_ROWS - 16))
+    jax.jit(moe.routed_pallas)(x, w, ids)
+    assert calls == [32]

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from dsv41_jax import quant
 from dsv41_jax.kernels.qmatmul import (QBLOCK, _check, _grouped, _largest_pow2_divisor, _load, _pow2_at_least, _store,
                                       default_mult, env_tiles, grouped_qmatmul_reference, kernel_impl, scale_values)
 
@@ -63,19 +64,21 @@ def _gathered_rows(x, row_token):
 
 
 def moe_glu_reference(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int, limit: float,
-                      out_dtype=None, mult: float | None = None):
-    """XLA form of :func:`moe_glu`: gather, ``grouped_qmatmul_reference`` for each weight, SwiGLU."""
+                      out_dtype=None, mult: float | None = None, act_quant: bool = False):
+    """XLA form of :func:`moe_glu`: gather, ``grouped_qmatmul_reference`` for each weight, SwiGLU
+    (and ``quant.act_quant_fp8`` of the result)."""
     from dsv41_jax.model.moe import swiglu
 
     out_dtype = x.dtype if out_dtype is None else out_dtype
     xs = _gathered_rows(x, row_token)
     g, u = (grouped_qmatmul_reference(xs, block_group, n_blocks, c, s, bm=bm, out_dtype=out_dtype, mult=mult)
             for c, s in (w1, w3))
-    return (row_weight[:, None].astype(F32) * swiglu(g, u, limit)).astype(out_dtype)
+    h = (row_weight[:, None].astype(F32) * swiglu(g, u, limit)).astype(out_dtype)
+    return quant.act_quant_fp8(h.astype(F32), QBLOCK).astype(out_dtype) if act_quant else h
 
 
 def _kernel(nb_ref, bg_ref, tok_ref, rw_ref, x_ref, *refs, bm: int, tm: int, tail: int, bo: int, bk: int, I: int,
-            K: int, scaled: bool, mult: float, limit: float, gathered: bool, cd, out_dtype):
+            K: int, scaled: bool, mult: float, limit: float, gathered: bool, act_quant: bool, cd, out_dtype):
     from jax.experimental import pallas as pl
 
     from dsv41_jax.model.moe import swiglu
@@ -131,19 +134,27 @@ def _kernel(nb_ref, bg_ref, tok_ref, rw_ref, x_ref, *refs, bm: int, tm: int, tai
             g, u = (a.T.astype(out_dtype) for a in accs[2 * p:2 * p + 2])
             rw = _load(rw_ref.at[pl.ds(j * bm + off, n)], inb[p], 0)
             h = rw[:, None] * swiglu(g, u, limit)
+            if act_quant:  # the fp8 activation quantization of the rounded h, per 32 columns
+                hb = h.astype(out_dtype).astype(F32).reshape(n, bo // QBLOCK, QBLOCK)
+                amax = jnp.max(jnp.abs(hb), axis=-1, keepdims=True)
+                h = quant._fq_pow2_scaled(hb, amax, "fp8", jnp, rint=quant.rint_even).reshape(n, bo)
             _store(h_ref.at[pl.ds(j * bm + off, n), pl.ds(o0, bo)], h.astype(out_dtype),
                    inb[p][:, None] & (cols[None, :] < I))
 
 
 def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int, limit: float, out_dtype=None,
-            mult: float | None = None, impl: str = "auto", gather: str = "kernel", **tiles):
+            mult: float | None = None, act_quant: bool = False, impl: str = "auto", gather: str = "kernel",
+            **tiles):
     """``x [T, K]`` (the compute dtype), ``row_token [R]`` int32 (-1: padding row),
     ``row_weight [R]`` fp32, ``block_group [R // bm]``, ``n_blocks`` (used blocks), ``w1`` / ``w3``
     as ``(codes [G, I, K], scale [G, I, K // 32] or None)`` -> ``h [R, I]`` in ``out_dtype``
     (default ``x.dtype``); see the module docstring. A block of ``bm`` rows runs as a power of
     two plus a power-of-two tail >= 16 where it is one (160 = 128 + 32), else as one tile of the
     next power of two (>= 16) with masked rows, as ``qmatmul``. ``tiles``: ``TILES`` fields.
-    Rows of blocks ``>= n_blocks`` are left unwritten by the kernels (zeros on the XLA route)."""
+    Rows of blocks ``>= n_blocks`` are left unwritten by the kernels (zeros on the XLA route).
+    ``act_quant``: ``h`` comes out fp8-quantized per 32 columns (``quant.act_quant_fp8`` of the
+    rounded ``h``, what the reference numerics apply before w2), when ``I % 32 == 0`` (otherwise,
+    as ``act_quant_fp8``, unquantized)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
@@ -163,7 +174,7 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
     impl = kernel_impl(impl)
     if impl == "xla":
         return moe_glu_reference(x, row_token, row_weight, block_group, n_blocks, (c1, s1), (c3, s3), bm=bm,
-                                 limit=limit, out_dtype=out_dtype, mult=mult)
+                                 limit=limit, out_dtype=out_dtype, mult=mult, act_quant=act_quant)
     t = env_tiles("DSV41_MOE_GLU_TILES", TILES)
     t.update(tiles)
     tm, tail = max(16, _pow2_at_least(bm)), 0  # one row tile (padded with masked rows) ...
@@ -171,7 +182,10 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
     if tm != bm and rest >= 16 and not rest & (rest - 1):  # ... or a power of two and a tail (160 = 128 + 32)
         tm, tail = tm // 2, rest
     I = c1.shape[1]
+    act_quant = act_quant and I % QBLOCK == 0
     bo = min(t["bo"], max(16, _pow2_at_least(I)))
+    if act_quant:
+        bo = max(bo, QBLOCK)
     bk = _largest_pow2_divisor(K, t["bk"])
     scaled = s1 is not None
     if scaled and bk < QBLOCK:
@@ -184,7 +198,7 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
         ws += [c.reshape(*c.shape[:2], K // QBLOCK, QBLOCK), s] if scaled else [c]
     nb = R // bm
     kern = functools.partial(_kernel, bm=bm, tm=tm, tail=tail, bo=bo, bk=bk, I=I, K=K, scaled=scaled, mult=mult,
-                             limit=float(limit), gathered=gathered, cd=x.dtype, out_dtype=out_dtype)
+                             limit=float(limit), gathered=gathered, act_quant=act_quant, cd=x.dtype, out_dtype=out_dtype)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=t["num_warps"],
                                                                            num_stages=t["num_stages"]))
     wbytes = 2 * c1.dtype.itemsize * I * K + (2 * I * K // QBLOCK if scaled else 0)

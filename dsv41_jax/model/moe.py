@@ -57,6 +57,12 @@ def pallas_chunk(n_pairs: int, n_experts: int) -> int:
     return p + tail
 
 
+# Expert blocks of at least this many rows (prefills of ~1k tokens and more at V4.1-Flash) take
+# ``kernels.moe_glu``; smaller ones (a batch-64 decode step's 16-row blocks) keep the fused
+# ``grouped_qmatmul`` launch: on 16-row blocks moe_glu made that step 11.8 -> 13.3 ms (run 27).
+GLU_MIN_ROWS = 32
+
+
 def combine_pairs(y, row_of_pair, T: int, k: int):
     """Sum each token's k expert outputs (rows ``row_of_pair`` of ``y``) in fp32, slot order: [T, D]."""
     return jnp.sum(jnp.take(y, row_of_pair, axis=0).reshape(T, k, -1).astype(F32), axis=1)
@@ -168,10 +174,14 @@ class MoE(nnx.Module):
         """Whether the routed or shared experts take an fp8-quantized input (``_aq``, ``Linear``)."""
         return self.numerics.fake_quant and (self.experts.quantized or self.shared_experts.w1.quantized)
 
+    def _quantizes(self) -> bool:
+        """Whether the routed experts' inputs are fp8-quantized (``_aq``): reference numerics."""
+        return self.experts.quantized and self.numerics.fake_quant
+
     def _aq(self, x, xq=None):
         """(GEMM input, its dtype): in reference numerics with quantized experts the fp8 per-32
         activation quantization of ``x`` (``xq`` if the caller has it), else ``x``."""
-        if self.experts.quantized and self.numerics.fake_quant:
+        if self._quantizes():
             # e4m3 x 2^k activations are exact in the (bf16) weight dtype: same products, fp32 accumulation
             wdt = self.numerics.dtype if self.experts.w1.int8 else self.experts.w1.weight.get_value().dtype
             xq = quant.act_quant_fp8(x.astype(F32), 32) if xq is None else xq
@@ -349,16 +359,17 @@ class MoE(nnx.Module):
         if with_shared:
             raise ValueError("routed_pallas: with_shared is for decode (fewer pairs than experts)")
         c = pallas_chunk(N, self.n_experts)
-        if glu_kernel():  # rows gathered, w1 + w3 and SwiGLU in one launch
+        if c >= GLU_MIN_ROWS and glu_kernel():  # rows gathered, w1 + w3, SwiGLU (and w2's act quant) in one launch
             row_token, ws, row_of_pair, NC, blocks, n_used = self._rows(w, ids, c)
             h = moe_glu(xa.astype(cd), row_token, ws, blocks, n_used,
                         *((p.weight[...], p.scale[...] if p.int8 else None) for p in (ex.w1, ex.w3)),
-                        bm=c, limit=self.limit, out_dtype=dt)
+                        bm=c, limit=self.limit, out_dtype=dt, act_quant=self._quantizes())
+            ha, cd2 = self._aq(h, xq=h)  # (already quantized: only the dtype)
         else:
             xs, ws, row_of_pair, NC, blocks, n_used = self._dispatch(xa, w, ids, c, cd)
             (g, u), _ = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
             h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
-        ha, cd2 = self._aq(h)
+            ha, cd2 = self._aq(h)
         # combine_pairs reads the rows of pairs only: unused blocks of y stay unwritten
         (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c, dead_zeros=False)
         return combine_pairs(y, row_of_pair, T, k)

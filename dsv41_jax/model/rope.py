@@ -55,6 +55,4 @@ def rope_tail(x, pos, freqs, inverse: bool = False):
     ra = a * cos - b * sin
     rb = a * sin + b * cos
     rot = jnp.stack([ra, rb], axis=-1).reshape(tail.shape).astype(x.dtype)
-    # an update of the tail, not a concatenation: XLA writes the r channels in place instead of
-    # copying all d channels of x (a prefill's q and attention output: 0.3 ms per copy at 8k)
-    return x.at[..., -r:].set(rot)
+    return jnp.concatenate([x[..., :-r], rot], axis=-1)
