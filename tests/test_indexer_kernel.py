@@ -112,6 +112,7 @@ def test_select_of_a_long_chunk_on_the_kernel(monkeypatch):
     monkeypatch.setattr(I, "_pallas", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     monkeypatch.setattr(K, "use_pallas", lambda: True)
     monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    monkeypatch.setenv("DSV41_TOPK_KERNEL", "0")  # (else the patched use_pallas asks for the Triton top-k on the CPU)
     assert scores_on_kernel(S)
     got = att._select(x, qr, pos, dict(ctx), None)
     assert calls == [(B, S, t.index_n_heads, t.index_head_dim)]  # one launch for the whole chunk
