@@ -218,7 +218,8 @@ def part_glu(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304, limit
         try:
             ids = jax.random.randint(jax.random.fold_in(k4, T), (T, k), 0, E, dtype=jnp.int32)
             w = jax.random.uniform(k4, (T, k), jnp.float32)
-            fake = types.SimpleNamespace(n_experts=E, _blocks=functools.partial(MoE._blocks, types.SimpleNamespace(n_experts=E)))
+            ns = types.SimpleNamespace(n_experts=E)
+            fake = types.SimpleNamespace(n_experts=E, _blocks=functools.partial(MoE._blocks, ns))
             row_token, ws, _, NC, blocks, n_used = MoE._rows(fake, w, ids, c)
             x = jax.random.normal(k1, (T, D), jnp.float32).astype(BF16)
 

@@ -198,7 +198,8 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
         ws += [c.reshape(*c.shape[:2], K // QBLOCK, QBLOCK), s] if scaled else [c]
     nb = R // bm
     kern = functools.partial(_kernel, bm=bm, tm=tm, tail=tail, bo=bo, bk=bk, I=I, K=K, scaled=scaled, mult=mult,
-                             limit=float(limit), gathered=gathered, act_quant=act_quant, cd=x.dtype, out_dtype=out_dtype)
+                             limit=float(limit), gathered=gathered, act_quant=act_quant, cd=x.dtype,
+                             out_dtype=out_dtype)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=t["num_warps"],
                                                                            num_stages=t["num_stages"]))
     wbytes = 2 * c1.dtype.itemsize * I * K + (2 * I * K // QBLOCK if scaled else 0)

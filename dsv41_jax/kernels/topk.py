@@ -1,4 +1,5 @@
-"""Exact top-k indices (ascending) of a few long rows, by ranking, in two launches.
+"""Exact top-k indices (ascending): of a few long rows by ranking in two launches
+(``topk_ascending``), of many rows by a threshold search in one (``topk_select``, below).
 
 ``topk_ascending(x, k)`` returns, for rows ``x [R, T]`` (fp32 or bf16), the ``k`` indices
 ``lax.top_k(x, k)`` selects (descending IEEE total order, ties to the lower index), sorted
