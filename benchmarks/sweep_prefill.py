@@ -208,7 +208,7 @@ def part_glu(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304, limit
     and SwiGLU in one launch) against the form it replaced (XLA's gather of the rows into the
     block layout, the fused w1 + w3 ``grouped_qmatmul`` launch, XLA's SwiGLU over the layout)."""
     from dsv41_jax import quant
-    from dsv41_jax.kernels.moe_glu import moe_glu
+    from dsv41_jax.kernels.moe_glu import gather_rows, moe_glu
     from dsv41_jax.model.moe import MoE, swiglu
 
     k1, k2, k4 = jax.random.split(key, 3)
@@ -227,7 +227,7 @@ def part_glu(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304, limit
             aq = tiles == "xla-path+act_quant" or (not xla_path and tiles.get("act_quant", False))
             if xla_path:
                 def first_half(x, row_token, ws, blocks, n_used, w1, w3, c=c, aq=aq):
-                    xs = jnp.take(x, jnp.where(row_token >= 0, row_token, T), axis=0, mode="fill", fill_value=0)
+                    xs = gather_rows(x, row_token)
                     g, u = Q.grouped_qmatmul_fused(xs, blocks, n_used, [w1, w3], bm=c, out_dtype=BF16, impl=IMPL)
                     h = (ws[:, None] * swiglu(g, u, limit)).astype(BF16)
                     return quant.act_quant_fp8(h.astype(jnp.float32), 32).astype(BF16) if aq else h

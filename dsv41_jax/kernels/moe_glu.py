@@ -37,10 +37,11 @@ from jax import lax
 
 from dsv41_jax import quant
 from dsv41_jax.kernels.qmatmul import (QBLOCK, _check, _grouped, _largest_pow2_divisor, _load, _pow2_at_least, _store,
-                                      default_mult, env_tiles, grouped_qmatmul_reference, kernel_impl, scale_values)
+                                      default_mult, env_tiles, grouped_qmatmul_reference, kernel_impl, row_tiles,
+                                      scale_values)
 
 F32 = jnp.float32
-# Tiles measured on one H200 (sweep_prefill.py --part moe): ``bo`` output columns of each weight
+# Tiles measured on one H200 (sweep_prefill.py --part glu, run 27): ``bo`` output columns of each weight
 # per program, ``bk`` inputs per K step. ``DSV41_MOE_GLU_TILES`` (JSON) overrides fields.
 TILES = dict(bo=64, bk=64, num_warps=4, num_stages=3)
 
@@ -58,8 +59,8 @@ def glu_kernel() -> bool:
     return mode == "1"
 
 
-def _gathered_rows(x, row_token):
-    """x's rows by ``row_token`` (zeros for -1)."""
+def gather_rows(x, row_token):
+    """x's rows by ``row_token`` (zeros for -1): the block layout's inputs as XLA forms them."""
     return jnp.take(x, jnp.where(row_token >= 0, row_token, x.shape[0]), axis=0, mode="fill", fill_value=0)
 
 
@@ -70,7 +71,7 @@ def moe_glu_reference(x, row_token, row_weight, block_group, n_blocks, w1, w3, *
     from dsv41_jax.model.moe import swiglu
 
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    xs = _gathered_rows(x, row_token)
+    xs = gather_rows(x, row_token)
     g, u = (grouped_qmatmul_reference(xs, block_group, n_blocks, c, s, bm=bm, out_dtype=out_dtype, mult=mult)
             for c, s in (w1, w3))
     h = (row_weight[:, None].astype(F32) * swiglu(g, u, limit)).astype(out_dtype)
@@ -177,10 +178,7 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
                                  limit=limit, out_dtype=out_dtype, mult=mult, act_quant=act_quant)
     t = env_tiles("DSV41_MOE_GLU_TILES", TILES)
     t.update(tiles)
-    tm, tail = max(16, _pow2_at_least(bm)), 0  # one row tile (padded with masked rows) ...
-    rest = bm - tm // 2
-    if tm != bm and rest >= 16 and not rest & (rest - 1):  # ... or a power of two and a tail (160 = 128 + 32)
-        tm, tail = tm // 2, rest
+    tm, tail = row_tiles(bm)
     I = c1.shape[1]
     act_quant = act_quant and I % QBLOCK == 0
     bo = min(t["bo"], max(16, _pow2_at_least(I)))
@@ -192,7 +190,7 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
         raise ValueError(f"moe_glu: K={K} has no power-of-two step >= {QBLOCK}")
     interpret = impl == "interpret"
     gathered = interpret or gather == "xla"
-    xin = _gathered_rows(x, row_token) if gathered else x
+    xin = gather_rows(x, row_token) if gathered else x
     ws = []
     for c, s in ((c1, s1), (c3, s3)):
         ws += [c.reshape(*c.shape[:2], K // QBLOCK, QBLOCK), s] if scaled else [c]

@@ -211,6 +211,18 @@ def _pow2_at_least(n: int) -> int:
     return p
 
 
+def row_tiles(bm: int) -> tuple:
+    """(tm, tail) of a ``bm``-row block in the tensor-core modes: ``bm`` itself when a power of two
+    (16 at least: the MMA's smallest tile), a power of two plus a power-of-two tail >= 16 where
+    ``bm`` is one (160 = 128 + 32: both row tiles share each weight tile), else one tile of the
+    next power of two with masked rows (40 -> 64)."""
+    p = _pow2_at_least(bm)
+    rest = bm - p // 2
+    if bm != p and rest >= 16 and not rest & (rest - 1):
+        return p // 2, rest
+    return max(p, 16), 0
+
+
 def _largest_pow2_divisor(n: int, cap: int) -> int:
     p = 1
     while p * 2 <= cap and n % (p * 2) == 0:
@@ -298,10 +310,8 @@ def choose_config(bm: int, O: int, K: int, scaled: bool, mode: str = "auto", nb:
     tm = _pow2_at_least(bm)
     cfg["tm"] = CHUNK_ROWS if chunk else (max(tm, 16) if cfg["mode"] == "dot" else tm)
     cfg["tail"] = 0
-    main = tm // 2
-    rest = bm - main
-    if cfg["mode"] == "dot" and not cfg.get("split") and bm != tm and rest >= 16 and not rest & (rest - 1):
-        cfg["tm"], cfg["tail"] = main, rest  # e.g. 160 = 128 + 32: two row tiles, one weight tile
+    if cfg["mode"] == "dot" and not cfg.get("split"):
+        cfg["tm"], cfg["tail"] = row_tiles(bm)  # e.g. 160 = 128 + 32: two row tiles, one weight tile
     if cfg.get("num_warps") is None:
         cfg["num_warps"] = 8 if cfg["tm"] >= 128 else 4
     cfg["bo"] = min(cfg["bo"], _pow2_at_least(O))

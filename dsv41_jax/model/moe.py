@@ -63,6 +63,12 @@ def pallas_chunk(n_pairs: int, n_experts: int) -> int:
 GLU_MIN_ROWS = 32
 
 
+def kernel_weight(p):
+    """A routed projection (``StackedWeight`` or a local expert shard) as the kernels take it:
+    (codes, ue8m0 scales) for int8 experts, (weights, None) otherwise."""
+    return p.weight[...], (p.scale[...] if p.int8 else None)
+
+
 def combine_pairs(y, row_of_pair, T: int, k: int):
     """Sum each token's k expert outputs (rows ``row_of_pair`` of ``y``) in fp32, slot order: [T, D]."""
     return jnp.sum(jnp.take(y, row_of_pair, axis=0).reshape(T, k, -1).astype(F32), axis=1)
@@ -279,10 +285,10 @@ class MoE(nnx.Module):
         """Gather the (token, slot) pairs into ``_blocks``' expert-sorted row layout: ``_rows``
         with ``xs [NC*chunk, D]`` (the rows in ``cd``, zeros for empty rows) in place of the
         row tokens."""
-        from dsv41_jax.kernels.moe_glu import _gathered_rows
+        from dsv41_jax.kernels.moe_glu import gather_rows
 
         row_token, *rest = self._rows(w, ids, chunk)
-        return (_gathered_rows(xa.astype(cd), row_token), *rest)
+        return (gather_rows(xa.astype(cd), row_token), *rest)
 
     def routed_grouped(self, x, w, ids, chunk: int = 128):
         """Grouped matmul without a dense emulation: (token, slot) pairs are sorted by expert and
@@ -334,7 +340,7 @@ class MoE(nnx.Module):
         def qmm(a, blocks, n, ps, bm, shared_in=None, shared_mods=(), shared_xq=None, **tiles):
             """One launch for the projections ``ps`` of the same rows (and, with ``shared_in``, the
             shared expert's ``shared_mods`` on it); returns (routed outputs, shared outputs or None)."""
-            ws = [(p.weight[...], p.scale[...] if p.int8 else None) for p in ps]
+            ws = [kernel_weight(p) for p in ps]
             if shared_in is not None:
                 prob, finish = linears_kernel_problem(shared_in, shared_mods, xq=shared_xq)
                 ours, theirs = grouped_qmatmul_multi([dict(x=a, block_group=blocks, n_blocks=n, weights=ws, bm=bm,
@@ -362,7 +368,7 @@ class MoE(nnx.Module):
         if c >= GLU_MIN_ROWS and glu_kernel():  # rows gathered, w1 + w3, SwiGLU (and w2's act quant) in one launch
             row_token, ws, row_of_pair, NC, blocks, n_used = self._rows(w, ids, c)
             h = moe_glu(xa.astype(cd), row_token, ws, blocks, n_used,
-                        *((p.weight[...], p.scale[...] if p.int8 else None) for p in (ex.w1, ex.w3)),
+                        kernel_weight(ex.w1), kernel_weight(ex.w3),
                         bm=c, limit=self.limit, out_dtype=dt, act_quant=self._quantizes())
             ha, cd2 = self._aq(h, xq=h)  # (already quantized: only the dtype)
         else:
