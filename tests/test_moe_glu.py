@@ -9,7 +9,7 @@ import pytest
 
 from dsv41_jax import quant
 from dsv41_jax.kernels.moe_glu import moe_glu, moe_glu_reference
-from dsv41_jax.kernels.qmatmul import dequantize, row_tiles, row_variants
+from dsv41_jax.kernels.qmatmul import dequantize
 from dsv41_jax.model.moe import swiglu
 
 F32 = jnp.float32
@@ -132,35 +132,3 @@ def test_routed_pallas_with_and_without_the_glu_kernel(numerics, monkeypatch):
     monkeypatch.setenv("DSV41_MOE_CHUNK", str(M.GLU_MIN_ROWS - 16))
     jax.jit(moe.routed_pallas)(x, w, ids)
     assert calls == [32]
-
-
-@pytest.mark.parametrize("bm", [160, 48, 40])
-def test_row_variants_compute_every_used_row(bm):
-    """Blocks filled from their start to different extents (each picks another row-tile variant,
-    ``qmatmul.row_variants``), with padding rows inside the extent: the rows up to each block's
-    last used row equal the XLA form and the kernel without variants."""
-    rng = np.random.default_rng(7 + bm)
-    x, _, _, _, w1, w3 = _problem(rng, F32, True, bm)
-    extents = {160: [3, 30, 60, 128, 140, 160], 48: [5, 16, 30, 40, 48, 1], 40: [2, 16, 30, 40, 17, 40]}[bm]
-    tok = np.full(len(extents) * bm, -1, np.int32)
-    for j, n in enumerate(extents):
-        tok[j * bm:j * bm + n] = rng.integers(0, x.shape[0], n)
-        tok[j * bm + n // 2] = -1 if n > 2 else tok[j * bm + n // 2]  # a padding row inside the extent
-    tok = jnp.asarray(tok)
-    rw = jnp.asarray(rng.random(tok.shape[0]), F32) * (tok >= 0)
-    bg = jnp.asarray(rng.integers(0, 5, len(extents)), jnp.int32)
-    nb = len(extents)
-    kw = dict(bm=bm, limit=1.5)
-    got = np.asarray(moe_glu(x, tok, rw, bg, nb, w1, w3, impl="interpret", **kw), np.float64)
-    plain = np.asarray(moe_glu(x, tok, rw, bg, nb, w1, w3, impl="interpret", row_variants=False, **kw), np.float64)
-    want = np.asarray(moe_glu_reference(x, tok, rw, bg, nb, w1, w3, **kw), np.float64)
-    for j, n in enumerate(extents):
-        rows = slice(j * bm, j * bm + max(n, 1))
-        scale = max(np.abs(want[rows]).max(), 1e-6)
-        assert np.abs(got[rows] - want[rows]).max() <= 1e-5 * scale, j
-        assert np.abs(got[rows] - plain[rows]).max() <= 1e-5 * scale, j
-        # the rows past the smallest variant holding the extent were not computed (the
-        # interpreter leaves unwritten outputs NaN); without variants every row is written
-        tm, tail = row_tiles(bm)
-        cap = next(min(m + t, bm) for m, t in row_variants(tm, tail) if min(m + t, bm) >= max(n, 1))
-        assert np.isnan(got[j * bm + cap:(j + 1) * bm]).all() and not np.isnan(plain[j * bm:(j + 1) * bm]).any(), j

@@ -537,39 +537,3 @@ def test_unused_blocks_left_unwritten_on_request():
     part = np.asarray(Q.grouped_qmatmul(x, bg, 2, codes, scale, bm=16, impl="interpret", dead_zeros=False))
     np.testing.assert_array_equal(part[:32], full[:32])
     assert np.all(full[32:] == 0)
-
-
-def test_row_variants_policy():
-    """The row tiles a partly used block may run with, smallest first, and the extent of a block."""
-    assert Q.row_variants(128, 32) == ((32, 0), (64, 0), (128, 0), (128, 16), (128, 32))
-    assert Q.row_variants(32, 16) == ((16, 0), (32, 0), (32, 16))
-    assert Q.row_variants(16, 0) == ((16, 0),)
-    tok = jnp.asarray([0, 1, -1, 2] + [-1] * 4 + [-1] * 8 + [5] * 8, jnp.int32)
-    np.testing.assert_array_equal(np.asarray(Q.block_extent(tok, 8)), [4, 0, 8])
-
-
-@pytest.mark.parametrize("bm,used", [(160, [3, 20, 50, 100, 128, 140, 160]), (48, [5, 16, 30, 32, 40, 48]),
-                                     (40, [1, 16, 17, 33, 40, 40, 12])])
-def test_block_rows_compute_the_used_rows(bm, used):
-    """``block_rows``: every block's rows up to its extent equal the reference (each extent picks
-    another row-tile variant: 160 = 128 + 32 runs 32, 64, 128, 128 + 16 or 128 + 32 rows; 40 runs
-    16, 32 or the masked 64); the unused block is not computed."""
-    rng = np.random.default_rng(bm)
-    nb, K, O = len(used), 64, 48
-    x = jnp.asarray(rng.standard_normal((nb * bm, K)), F32)
-    codes, scale = _weights(rng, "int8", 3, O, K)
-    bg = jnp.asarray(rng.integers(0, 3, nb), jnp.int32)
-    n_blocks = nb - 1
-    want = _np_grouped(x, bg, n_blocks, codes, scale, bm, 0.5)
-    got = np.asarray(Q.grouped_qmatmul_fused(x, bg, n_blocks, [(codes, scale)], bm=bm, impl="interpret",
-                                             block_rows=jnp.asarray(used, jnp.int32), dead_zeros=False)[0])
-    tm, tail = Q.row_tiles(bm)
-    for j in range(n_blocks):
-        rows = slice(j * bm, j * bm + used[j])
-        assert _rel(got[rows], want[rows]) < 1e-5, j
-        # rows past the smallest variant holding them are not computed (NaN in the interpreter)
-        cap = next(min(m + t, bm) for m, t in Q.row_variants(tm, tail) if min(m + t, bm) >= used[j])
-        assert np.isnan(got[j * bm + cap:(j + 1) * bm]).all(), j
-    with pytest.raises(ValueError, match="block_rows"):
-        Q.grouped_qmatmul_fused(x, bg, n_blocks, [(codes, scale)], bm=bm, impl="interpret",
-                                block_rows=jnp.asarray(used[:-1], jnp.int32))

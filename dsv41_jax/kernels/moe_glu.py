@@ -23,8 +23,7 @@ A program owns one row block and ``bo`` output columns of both weights: per K st
 rows' inputs once (a pointer gather from ``x``), dequantizes one w1 and one w3 tile (int8 / e4m3
 codes x their ue8m0 bytes, as ``qmatmul``'s "dot" mode, weights on the left of the product) and
 multiplies both; blocks of ``tm + tail`` rows (``Config.tail``) reuse each weight tile for both
-row tiles, and a block computes only the row tiles its used rows need (``qmatmul.row_variants``:
-one K loop per variant, chosen per program). Implementations: ``"triton"`` (GPU), ``"interpret"`` (the Pallas interpreter: JAX
+row tiles. Implementations: ``"triton"`` (GPU), ``"interpret"`` (the Pallas interpreter: JAX
 0.10's cannot run a gather load, so XLA gathers the rows first there), ``"xla"``
 (:func:`moe_glu_reference`, the composition above: the test oracle and the CPU path).
 """
@@ -38,13 +37,13 @@ from jax import lax
 
 from dsv41_jax import quant
 from dsv41_jax.kernels.qmatmul import (QBLOCK, _check, _grouped, _largest_pow2_divisor, _load, _pow2_at_least, _store,
-                                      by_rows, default_mult, env_tiles, grouped_qmatmul_reference, kernel_impl,
-                                      row_tiles, row_variants, scale_values)
+                                      default_mult, env_tiles, grouped_qmatmul_reference, kernel_impl, row_tiles,
+                                      scale_values)
 
 F32 = jnp.float32
 # Tiles measured on one H200 (sweep_prefill.py --part glu, run 27): ``bo`` output columns of each weight
 # per program, ``bk`` inputs per K step. ``DSV41_MOE_GLU_TILES`` (JSON) overrides fields.
-TILES = dict(bo=64, bk=64, num_warps=4, num_stages=3, row_variants=True)
+TILES = dict(bo=64, bk=64, num_warps=4, num_stages=3)
 
 
 def glu_kernel() -> bool:
@@ -80,8 +79,7 @@ def moe_glu_reference(x, row_token, row_weight, block_group, n_blocks, w1, w3, *
 
 
 def _kernel(nb_ref, bg_ref, tok_ref, rw_ref, x_ref, *refs, bm: int, tm: int, tail: int, bo: int, bk: int, I: int,
-            K: int, scaled: bool, mult: float, limit: float, gathered: bool, act_quant: bool, cd, out_dtype,
-            variants: tuple = ()):
+            K: int, scaled: bool, mult: float, limit: float, gathered: bool, act_quant: bool, cd, out_dtype):
     from jax.experimental import pallas as pl
 
     from dsv41_jax.model.moe import swiglu
@@ -93,7 +91,8 @@ def _kernel(nb_ref, bg_ref, tok_ref, rw_ref, x_ref, *refs, bm: int, tm: int, tai
     nkb = bk // QBLOCK
     prec = lax.Precision.HIGHEST if cd == F32 else None
 
-    def _run(parts):
+    @pl.when(j < nb_ref[0])
+    def _block():
         e = bg_ref[j]
         o0 = pl.multiple_of(oi * bo, bo)
         cols = o0 + jnp.arange(bo, dtype=jnp.int32)
@@ -143,19 +142,6 @@ def _kernel(nb_ref, bg_ref, tok_ref, rw_ref, x_ref, *refs, bm: int, tm: int, tai
             _store(h_ref.at[pl.ds(j * bm + off, n), pl.ds(o0, bo)], h.astype(out_dtype),
                    inb[p][:, None] & (cols[None, :] < I))
 
-    @pl.when(j < nb_ref[0])
-    def _block():
-        if not variants:
-            _run(parts)
-            return
-        # the block's extent: rows up to its last used one (pairs fill a block from its start)
-        used = 0
-        for off, n in parts:
-            r = off + jnp.arange(n, dtype=jnp.int32)
-            tk = _load(tok_ref.at[pl.ds(j * bm + off, n)], r < bm, -1)
-            used = jnp.maximum(used, jnp.max(jnp.where(tk >= 0, r + 1, 0)))
-        by_rows(used, bm, variants, lambda m, t: _run([(0, m)] + ([(tm, t)] if t else [])))
-
 
 def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int, limit: float, out_dtype=None,
             mult: float | None = None, act_quant: bool = False, impl: str = "auto", gather: str = "kernel",
@@ -166,10 +152,7 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
     (default ``x.dtype``); see the module docstring. A block of ``bm`` rows runs as a power of
     two plus a power-of-two tail >= 16 where it is one (160 = 128 + 32), else as one tile of the
     next power of two (>= 16) with masked rows, as ``qmatmul``. ``tiles``: ``TILES`` fields.
-    Rows of blocks ``>= n_blocks`` are left unwritten by the kernels (zeros on the XLA route), and
-    with ``row_variants`` (default) so are a block's rows past its last used one that its
-    smallest fitting row tiles (``qmatmul.row_variants``) do not cover: a 160-row block with
-    120 pairs runs only its 128-row tile.
+    Rows of blocks ``>= n_blocks`` are left unwritten by the kernels (zeros on the XLA route).
     ``act_quant``: ``h`` comes out fp8-quantized per 32 columns (``quant.act_quant_fp8`` of the
     rounded ``h``, what the reference numerics apply before w2), when ``I % 32 == 0`` (otherwise,
     as ``act_quant_fp8``, unquantized)."""
@@ -214,7 +197,7 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
     nb = R // bm
     kern = functools.partial(_kernel, bm=bm, tm=tm, tail=tail, bo=bo, bk=bk, I=I, K=K, scaled=scaled, mult=mult,
                              limit=float(limit), gathered=gathered, act_quant=act_quant, cd=x.dtype,
-                             out_dtype=out_dtype, variants=row_variants(tm, tail) if t["row_variants"] else ())
+                             out_dtype=out_dtype)
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=t["num_warps"],
                                                                            num_stages=t["num_stages"]))
     wbytes = 2 * c1.dtype.itemsize * I * K + (2 * I * K // QBLOCK if scaled else 0)

@@ -168,10 +168,7 @@ class Config:
     MMAs): an expert block slightly larger than a power of two costs one weight read and few
     padded rows instead of a second block. ``dead_zeros`` False: row blocks ``>= n_blocks`` are
     left unwritten instead of zero-filled (callers that never read them: a prefill's routed w2,
-    whose unused blocks are about 40% of the layout). ``row_variants`` ("dot" mode; set when the
-    caller passes ``block_rows``): a block runs the smallest row tiles of ``row_variants()`` that
-    hold its used rows (an expert block of 160 = 128 + 32 rows with 120 pairs skips the tail's
-    MMAs); rows past them are left unwritten."""
+    whose unused blocks are about 40% of the layout)."""
     mode: str
     tm: int
     bo: int
@@ -186,7 +183,6 @@ class Config:
     wlhs: bool = False
     tail: int = 0
     dead_zeros: bool = True
-    row_variants: bool = False
 
 
 # split-K target: about this many programs in flight (4 per SM of a 132-SM H200)
@@ -225,48 +221,6 @@ def row_tiles(bm: int) -> tuple:
     if bm != p and rest >= 16 and not rest & (rest - 1):
         return p // 2, rest
     return max(p, 16), 0
-
-
-def row_variants(tm: int, tail: int) -> tuple:
-    """The (main, tail) row tiles a ``tm + tail``-row block may run with when only its first rows
-    hold pairs, smallest first: the main tile halved down to ``tm / 4`` (16 at least) for a
-    mostly empty block (an expert's overflow block), then the main tile with each power-of-two
-    tail from 16 up to ``tail``. Each is one K loop in the kernel (one more MMA shape to compile)."""
-    out, m = [], max(16, tm // 4)
-    while m < tm:
-        out.append((m, 0))
-        m *= 2
-    out.append((tm, 0))
-    t = 16
-    while t <= tail:
-        out.append((tm, t))
-        t *= 2
-    return tuple(out)
-
-
-def block_extent(row_token, bm: int):
-    """Rows of each ``bm``-row block up to its last used one (``row_token >= 0``): what a kernel
-    with ``row_variants`` must compute; 0 for an empty block."""
-    used = (row_token.reshape(-1, bm) >= 0).astype(jnp.int32)
-    return jnp.max(used * jnp.arange(1, bm + 1, dtype=jnp.int32), axis=1)
-
-
-def by_rows(used, bm: int, variants, fn):
-    """Inside a kernel: ``fn(main, tail)`` for the first of ``variants`` whose rows (at most ``bm``)
-    hold the block's ``used`` rows (one ``pl.when`` branch per variant; the last takes the rest)."""
-    from jax.experimental import pallas as pl
-
-    lo = 0
-    for i, (m, t) in enumerate(variants):
-        cap = min(m + t, bm)
-        cond = used > lo
-        if i < len(variants) - 1:
-            cond = (cond & (used <= cap)) if lo else (used <= cap)
-        elif not lo:
-            fn(m, t)
-            return
-        pl.when(cond)(functools.partial(fn, m, t))
-        lo = cap
 
 
 def _largest_pow2_divisor(n: int, cap: int) -> int:
@@ -430,10 +384,6 @@ def _weights_program(nb_ref, bg_ref, x_ref, refs, *, oi, Os, scaled: bool, **kw)
     weight's codes (and scale) ref, then each weight's output ref)."""
     from jax.experimental import pallas as pl
 
-    br_ref = None
-    if kw["cfg"].row_variants:  # the blocks' used rows (``block_rows``) precede the weights
-        br_ref, refs = refs[0], refs[1:]
-    kw["br_ref"] = br_ref
     n_w = len(Os)
     per = 2 if scaled else 1
     w_refs = [refs[i * per:(i + 1) * per] for i in range(n_w)]
@@ -449,7 +399,7 @@ def _weights_program(nb_ref, bg_ref, x_ref, refs, *, oi, Os, scaled: bool, **kw)
 
 
 def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: int, nb: int, O: int, K: int,
-             scaled: bool, mult: float, cd, out_dtype, codes_dtype, br_ref=None):
+             scaled: bool, mult: float, cd, out_dtype, codes_dtype):
     """The work of one program on one weight: output tile ``oi`` (of this weight), row block ``j``,
     K range ``ks``."""
     from jax.experimental import pallas as pl
@@ -482,21 +432,20 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
         lhs, rhs = (w, a) if cfg.wlhs else (a, w)
         return lax.dot_general(lhs.astype(cd), rhs.astype(cd), dims, precision=prec, preferred_element_type=F32)
 
-    def add_dots(acc, w, k0, rows):  # acc + this K step's weight tile times the block's row tile(s)
-        mrows, trows = rows
-        if not trows:
-            mask = rmask if mrows == tm else True  # (a smaller main tile lies inside the block)
-            return acc + dot(_load(x_ref.at[pl.ds(r0, mrows), pl.ds(k0, bk)], mask), w)
+    def add_dots(acc, w, k0):  # acc + this K step's weight tile times the block's row tile(s)
+        if not cfg.tail:
+            return acc + dot(_load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask), w)
         main, tail = acc  # bm = tm + tail rows, all of them valid
-        return (main + dot(_load(x_ref.at[pl.ds(r0, mrows), pl.ds(k0, bk)], True), w),
-                tail + dot(_load(x_ref.at[pl.ds(r0 + tm, trows), pl.ds(k0, bk)], True), w))
+        return (main + dot(_load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], True), w),
+                tail + dot(_load(x_ref.at[pl.ds(r0 + tm, cfg.tail), pl.ds(k0, bk)], True), w))
 
     if cfg.mode == "chunk":
         _chunk_program(bg_ref, x_ref, c_ref, s_ref, live=live, j=j, o0=o0, kbase=kbase, kr=kr, omask=omask,
                        cfg=cfg, mult=mult, cd=cd, prec=prec, put=put, codes_dtype=codes_dtype)
         return
 
-    def _rows_compute(rows):
+    @pl.when(live)
+    def _compute():
         g = bg_ref[j]
 
         def step(kk, acc):
@@ -504,7 +453,7 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
             if not scaled:
                 w = _load(c_ref.at[g, pl.ds(o0, bo), pl.ds(k0, bk)], omask)             # [bo, bk]
                 if cfg.mode == "dot":
-                    return add_dots(acc, w, k0, rows)
+                    return add_dots(acc, w, k0)
                 xt = _load(x_ref.at[pl.ds(r0, tm), pl.ds(k0, bk)], rmask)              # [tm, bk]
                 wf = w.astype(cd).astype(F32)
                 if cfg.acc:
@@ -536,7 +485,7 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
                 w = (c.astype(cd) * scale_values(s, mult).astype(cd)[:, :, None]).reshape(bo, bk)
             else:
                 w = (c.astype(F32) * scale_values(s, mult)[:, :, None]).reshape(bo, bk)
-            return add_dots(acc, w, k0, rows)
+            return add_dots(acc, w, k0)
 
         if cfg.mode == "reduce" and cfg.acc:
             shape = (tm, bo, nkb, QBLOCK) if scaled else (tm, bo, bk)
@@ -545,22 +494,14 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
                 acc = jnp.sum(acc, axis=-1)
         else:
             zero = lambda r: jnp.zeros((bo, r) if cfg.wlhs else (r, bo), F32)  # noqa: E731
-            mrows, trows = rows
-            acc = lax.fori_loop(0, kr // bk, step, (zero(mrows), zero(trows)) if trows else zero(mrows))
-            if trows:
+            acc = lax.fori_loop(0, kr // bk, step, (zero(tm), zero(cfg.tail)) if cfg.tail else zero(tm))
+            if cfg.tail:
                 main, tail = (a.T for a in acc) if cfg.wlhs else acc
                 put(tail, off=tm)
                 acc = main
             elif cfg.wlhs:
                 acc = acc.T
         put(acc)
-
-    @pl.when(live)
-    def _compute():
-        if cfg.row_variants:
-            by_rows(br_ref[j], bm, row_variants(tm, cfg.tail), lambda m, t: _rows_compute((m, t)))
-        else:
-            _rows_compute((tm, cfg.tail))
 
     if not cfg.dead_zeros:
         return
@@ -621,10 +562,9 @@ def _load_or(ref, mask):
     return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
 
 
-def _operands(x, block_group, n_blocks, weights, cfg: Config, block_rows=None) -> list:
-    """The kernel operands of one problem: n_blocks, block_group, x, (with ``cfg.row_variants``
-    the blocks' used rows,) then each weight's codes (and scale), in the views the inner mode
-    reads."""
+def _operands(x, block_group, n_blocks, weights, cfg: Config) -> list:
+    """The kernel operands of one problem: n_blocks, block_group, x, then each weight's codes
+    (and scale), in the views the inner mode reads."""
     R, K = x.shape
     x_v = x
     ops = []
@@ -639,8 +579,7 @@ def _operands(x, block_group, n_blocks, weights, cfg: Config, block_rows=None) -
         else:
             codes_v = codes
         ops += [codes_v] + ([scale] if scale is not None else [])
-    rows = [jnp.asarray(block_rows, jnp.int32)] if cfg.row_variants else []
-    return [jnp.asarray(n_blocks, jnp.int32).reshape(1), block_group.astype(jnp.int32), x_v] + rows + ops
+    return [jnp.asarray(n_blocks, jnp.int32).reshape(1), block_group.astype(jnp.int32), x_v] + ops
 
 
 def _out_shapes(R: int, Os, cfg: Config, out_dtype) -> list:
@@ -665,14 +604,12 @@ def _finish(ys, cfg: Config, out_dtype) -> tuple:
     return tuple(ys)
 
 
-def _pallas(x, block_group, n_blocks, weights, *, bm, out_dtype, mult, cfg: Config, interpret: bool,
-            block_rows=None):
+def _pallas(x, block_group, n_blocks, weights, *, bm, out_dtype, mult, cfg: Config, interpret: bool):
     """One ``pallas_call`` for the weights ``[(codes [G, O_i, K], scale or None), ...]`` (same G, K,
     dtypes): their output tiles form one launch. Returns one output per weight."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    cfg = dataclasses.replace(cfg, row_variants=block_rows is not None and cfg.mode == "dot" and not cfg.split)
     R, K = x.shape
     codes0 = weights[0][0]
     Os = tuple(int(c.shape[1]) for c, _ in weights)
@@ -685,7 +622,7 @@ def _pallas(x, block_group, n_blocks, weights, *, bm, out_dtype, mult, cfg: Conf
                                                                        num_stages=cfg.num_stages))
     ys = pl.pallas_call(kernel, out_shape=tuple(_out_shapes(R, Os, cfg, out_dtype)), grid=grid, interpret=interpret,
                         cost_estimate=_cost(x, weights, bm, out_dtype), name="grouped_qmatmul",
-                        **kw)(*_operands(x, block_group, n_blocks, weights, cfg, block_rows))
+                        **kw)(*_operands(x, block_group, n_blocks, weights, cfg))
     return _finish(ys, cfg, out_dtype)
 
 
@@ -824,8 +761,7 @@ def _reference_all(x, block_group, n_blocks, weights, bm, out_dtype, mult) -> tu
 
 
 def grouped_qmatmul_fused(x, block_group, n_blocks, weights, *, bm: int, out_dtype=None,
-                          mult: float | None = None, impl: str = "auto", mode: str = "auto", block_rows=None,
-                          **tiles):
+                          mult: float | None = None, impl: str = "auto", mode: str = "auto", **tiles):
     """``grouped_qmatmul`` of one ``x`` against several weights in one kernel launch.
 
     ``weights``: ``[(codes, scale), ...]``, each as ``grouped_qmatmul`` takes them, all with the
@@ -834,19 +770,13 @@ def grouped_qmatmul_fused(x, block_group, n_blocks, weights, *, bm: int, out_dty
     one [R, O_i] result per weight, each equal to its own ``grouped_qmatmul`` call (the same
     kernel tiles run on each weight's tiles; only the split-K choice, and so the fp32 summation
     order, may differ). The launch is one grid over all weights' output tiles: small GEMVs
-    stream together instead of paying each kernel's ramp-up and tail. ``block_rows`` ``[R // bm]``
-    (optional, e.g. ``block_extent(row_token, bm)``): only the first ``block_rows[j]`` rows of
-    block ``j`` are needed; the kernel then computes the smallest row tiles holding them
-    (``row_variants``) and may leave the block's other rows unwritten (the XLA route computes
-    every row)."""
+    stream together instead of paying each kernel's ramp-up and tail."""
     weights, out_dtype, mult, impl, cfg = _prepare(x, block_group, weights, bm=bm, out_dtype=out_dtype, mult=mult,
                                                    impl=impl, mode=mode, tiles=tiles)
     if impl == "xla":
         return _reference_all(x, block_group, n_blocks, weights, bm, out_dtype, mult)
-    if block_rows is not None and jnp.shape(block_rows) != (x.shape[0] // bm,):
-        raise ValueError(f"grouped_qmatmul_fused: block_rows {jnp.shape(block_rows)} for {x.shape[0] // bm} row blocks")
     return _pallas(x, block_group, n_blocks, weights, bm=bm, out_dtype=out_dtype, mult=mult, cfg=cfg,
-                   interpret=impl == "interpret", block_rows=block_rows)
+                   interpret=impl == "interpret")
 
 
 def grouped_qmatmul_multi(problems, *, impl: str = "auto") -> list:

@@ -57,16 +57,6 @@ def pallas_chunk(n_pairs: int, n_experts: int) -> int:
     return p + tail
 
 
-def row_variants_on() -> bool:
-    """Whether a prefill's routed-expert blocks compute only the row tiles their pairs need
-    (``qmatmul.row_variants``; ``DSV41_MOE_ROW_VARIANTS``: 1, the default, or 0 for A/B runs);
-    read at trace time. Applies where ``moe_glu`` runs (its w2 launch follows its choice)."""
-    mode = os.environ.get("DSV41_MOE_ROW_VARIANTS", "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"DSV41_MOE_ROW_VARIANTS={mode!r}: use 1 (the default) or 0")
-    return mode == "1"
-
-
 # Expert blocks of at least this many rows (prefills of ~1k tokens and more at V4.1-Flash) take
 # ``kernels.moe_glu``; smaller ones (a batch-64 decode step's 16-row blocks) keep the fused
 # ``grouped_qmatmul`` launch: on 16-row blocks moe_glu made that step 11.8 -> 13.3 ms (run 27).
@@ -340,7 +330,6 @@ class MoE(nnx.Module):
         launches (``grouped_qmatmul_multi``) and its output is added."""
         from dsv41_jax.kernels import fused_launches, grouped_qmatmul_fused, grouped_qmatmul_multi
         from dsv41_jax.kernels.moe_glu import glu_kernel, moe_glu
-        from dsv41_jax.kernels.qmatmul import block_extent
 
         dt = self.numerics.dtype
         ex = self.experts
@@ -376,24 +365,19 @@ class MoE(nnx.Module):
         if with_shared:
             raise ValueError("routed_pallas: with_shared is for decode (fewer pairs than experts)")
         c = pallas_chunk(N, self.n_experts)
-        variants = row_variants_on()
-        extent = None
         if c >= GLU_MIN_ROWS and glu_kernel():  # rows gathered, w1 + w3, SwiGLU (and w2's act quant) in one launch
             row_token, ws, row_of_pair, NC, blocks, n_used = self._rows(w, ids, c)
             h = moe_glu(xa.astype(cd), row_token, ws, blocks, n_used,
                         kernel_weight(ex.w1), kernel_weight(ex.w3),
-                        bm=c, limit=self.limit, out_dtype=dt, act_quant=self._quantizes(), row_variants=variants)
+                        bm=c, limit=self.limit, out_dtype=dt, act_quant=self._quantizes())
             ha, cd2 = self._aq(h, xq=h)  # (already quantized: only the dtype)
-            if variants:  # w2 computes the row tiles moe_glu wrote
-                extent = block_extent(row_token, c)
         else:
             xs, ws, row_of_pair, NC, blocks, n_used = self._dispatch(xa, w, ids, c, cd)
             (g, u), _ = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
             h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
             ha, cd2 = self._aq(h)
-        # combine_pairs reads the rows of pairs only: unused blocks (and rows past a block's
-        # last pair, with the row variants) of y stay unwritten
-        (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c, dead_zeros=False, block_rows=extent)
+        # combine_pairs reads the rows of pairs only: unused blocks of y stay unwritten
+        (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c, dead_zeros=False)
         return combine_pairs(y, row_of_pair, T, k)
 
     def routed_pallas_with_shared(self, x, w, ids, xq=None):
