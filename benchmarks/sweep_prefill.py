@@ -324,8 +324,8 @@ def part_mhc(key, S: int = 8192, K: int = 4 * 5120, O: int = 24):
 
 
 # run 26 (calls 2-3) measured these and more around the default (docs/performance.md)
-ATTN_TILES = ({}, dict(skip_entries=True), dict(num_stages=3), dict(num_warps=4, dv=256), dict(num_warps=4, dv=256,
-              skip_entries=True), dict(bk=16), dict(dv=256), dict(gather="xla"))
+ATTN_TILES = ({}, dict(max_warps=4), dict(max_bk=64), dict(max_bk=64, max_warps=4), dict(max_bk=16),
+              dict(max_stages=3), dict(online=True), dict(online=True, num_warps=4, dv=256))
 
 
 def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: int = 512, block: int = 256,
@@ -400,7 +400,7 @@ def main():
         global IMPL, INDEXER_TILES, MOE_VARIANTS, MHC_TILES, MOEDQ_VARIANTS, ATTN_TILES, GLU_VARIANTS, TOPK_VARIANTS
         IMPL, INDEXER_TILES = "interpret", ({}, dict(bq=16, bt=32))
         MHC_TILES = ({}, dict(bt=16, bk=64))
-        ATTN_TILES = (dict(hb=16, bk=16, dv=32),)
+        ATTN_TILES = (dict(hb=16, bk=16, dv=32), dict(hb=16, bk=16, dv=32, max_bk=32), dict(hb=16, bk=16, online=True))
         MOE_VARIANTS = ((32, 16, {}), (32, 48, dict(bo=32)), (64, 24, {}))
         MOEDQ_VARIANTS = (("int8", {}), ("int8", dict(lowp_dequant=True)), ("codes", {}), ("bf16", {}))
         GLU_VARIANTS = ((32, 16, "xla-path"), (32, 16, {}), (32, 24, dict(bo=16)), (32, 16, "xla-path+act_quant"),

@@ -57,7 +57,8 @@ DEFAULT = "1"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch
 # program on 8 warps, no entry branch, 32-key tiles: 6.5 ms per compressed layer (XLA 10.2 ms);
 # 256-wide value slices on 4 warps 7.3, on 8 warps 13.2; 64-key tiles 9.8-11.6 (or over the shared
 # memory). ``DSV41_ATTN_PREFILL_TILES`` (JSON, e.g. '{"dv": 256}') overrides fields for tuning.
-TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False)
+TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False, max_bk=None, max_warps=None,
+             max_stages=None, online=False)
 
 
 def _tiles() -> dict:
@@ -162,6 +163,31 @@ def _out_kernel(q_ref, m_ref, sink_ref, *refs, hb: int, dv: int, **geo):
     _store(o_ref.at[t, pl.ds(h0, hb), pl.ds(v0, dv)], (acc / den[:, None]).astype(o_ref.dtype), hs[:, None])
 
 
+def _online_kernel(q_ref, sink_ref, *refs, hb: int, dv: int, **geo):
+    """``online``: one launch with a running maximum (flash attention's rescaling): the
+    probabilities are rounded to dt relative to the maximum so far, not the row's, so the result
+    differs from the two-launch form by bf16 roundings of p (an experiment; not the reference's
+    rounding points)."""
+    from jax.experimental import pallas as pl
+
+    o_ref = refs[-1]
+    t, v0 = pl.program_id(0), pl.program_id(2) * dv
+    h0, hs, q = _heads(q_ref, hb)
+
+    def add(carry, lg, vals):
+        acc, den, m = carry
+        m_new = jnp.maximum(m, jnp.max(lg, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(lg - m_new[:, None])
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(q.dtype), vals(), preferred_element_type=F32)
+        return acc, den * alpha + jnp.sum(p, axis=1), m_new
+
+    init = (jnp.zeros((hb, dv), F32), jnp.zeros((hb,), F32), jnp.full((hb,), -1e30, F32))
+    acc, den, m = _scan_keys(q, refs[:-1], init, add, v0=v0, dv=dv, **geo)
+    den = den + jnp.exp(_load(sink_ref.at[pl.ds(h0, hb)], hs, 0) - m)
+    _store(o_ref.at[t, pl.ds(h0, hb), pl.ds(v0, dv)], (acc / den[:, None]).astype(o_ref.dtype), hs[:, None])
+
+
 def applies(head_dim: int) -> bool:
     """Whether the kernel takes this head size (its value slices are powers of two >= 16)."""
     return head_dim % 16 == 0
@@ -170,7 +196,7 @@ def applies(head_dim: int) -> bool:
 def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, window: int, block: int,
                         impl: str = "triton", gather: str = "kernel", hb: int | None = None, bk: int | None = None,
                         dv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                        skip_entries: bool | None = None):
+                        skip_entries: bool | None = None, **more):
     """Attention of a chunk: ``q [B, S, H, d]`` at positions ``pos [B, S]`` over the window keys
     ``kw [B, J, d]`` (ring ++ chunk, positions ``kpos [B, J]``, -1 = empty) and the selected
     entries ``idx [B, S, K]`` (-1 = none) of the compressed cache ``cmp [B, Tc, d]`` (both None for
@@ -189,6 +215,10 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
     J = kw.shape[1]
     K = 0 if idx is None else idx.shape[-1]
     tiles = _tiles()
+    unknown = set(more) - {"max_bk", "max_warps", "max_stages", "online"}
+    if unknown:
+        raise ValueError(f"sparse_attn_prefill: unknown options {sorted(unknown)}")
+    tiles.update(more)
     hb = min(hb or tiles["hb"], max(16, _pow2_at_least(H)))
     bk = bk or tiles["bk"]
     dv = dv or _largest_pow2_divisor(d, tiles["dv"])
@@ -215,11 +245,19 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
         ops += [ids, src]
     geo = dict(S=S, W=window, block=block, J=J, K=K, bk=bk, scale=float(scale), gathered=gathered,
                skip_entries=bool(tiles["skip_entries"] if skip_entries is None else skip_entries))
-    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
-        num_warps=num_warps or tiles["num_warps"], num_stages=num_stages or tiles["num_stages"]))
+    warps, stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
+    params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
     qt = q.reshape(T, H, d)
-    m = pl.pallas_call(functools.partial(_max_kernel, hb=hb, **geo), out_shape=jax.ShapeDtypeStruct((T, H), F32),
-                       grid=(T, pl.cdiv(H, hb)), interpret=interpret, name="attn_prefill_max", **params)(qt, *ops)
+    if tiles["online"]:
+        o = pl.pallas_call(functools.partial(_online_kernel, hb=hb, dv=dv, **geo),
+                           out_shape=jax.ShapeDtypeStruct((T, H, d), dt), grid=(T, pl.cdiv(H, hb), d // dv),
+                           interpret=interpret, name="attn_prefill_online", **params)(qt, sink.astype(F32), *ops)
+        return o.reshape(B, S, H, d)
+    mgeo = dict(geo, bk=tiles["max_bk"] or bk)
+    mparams = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
+        num_warps=tiles["max_warps"] or warps, num_stages=tiles["max_stages"] or stages))
+    m = pl.pallas_call(functools.partial(_max_kernel, hb=hb, **mgeo), out_shape=jax.ShapeDtypeStruct((T, H), F32),
+                       grid=(T, pl.cdiv(H, hb)), interpret=interpret, name="attn_prefill_max", **mparams)(qt, *ops)
     o = pl.pallas_call(functools.partial(_out_kernel, hb=hb, dv=dv, **geo), out_shape=jax.ShapeDtypeStruct((T, H, d), dt),
                        grid=(T, pl.cdiv(H, hb), d // dv), interpret=interpret, name="attn_prefill_out",
                        **params)(qt, m, sink.astype(F32), *ops)
