@@ -324,8 +324,8 @@ def part_mhc(key, S: int = 8192, K: int = 4 * 5120, O: int = 24):
 
 
 # run 26 (calls 2-3) measured these and more around the default (docs/performance.md)
-ATTN_TILES = ({}, dict(max_warps=4), dict(max_bk=64), dict(max_bk=64, max_warps=4), dict(max_bk=16),
-              dict(max_stages=3), dict(online=True), dict(online=True, num_warps=4, dv=256))
+ATTN_TILES = ({}, dict(max_bk=32, max_warps=8), dict(max_bk=128), dict(max_stages=3), dict(max_warps=8),
+              dict(online=True), dict(online=True, bk=64), dict(online=True, num_stages=3))
 
 
 def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: int = 512, block: int = 256,

@@ -62,6 +62,17 @@ def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
         # same rounding points; only fp32 summation orders differ: at most one bf16 ulp apart
         np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=1e-6)
         assert np.mean(got == want) > 0.99
+    args = (q, pos, kw, kpos, cmp, idx, sink, d ** -0.5)
+    tiles = dict(window=W, block=query_block(S, q_block, W), impl="interpret", hb=16, bk=16, dv=min(32, d))
+    # the max launch on key tiles of its own (the default: 64 keys) gives the same maximum
+    same = [np.asarray(sparse_attn_prefill(*args, **tiles, max_bk=b), np.float32) for b in (16, 32, None)]
+    np.testing.assert_array_equal(same[0], same[1])
+    np.testing.assert_array_equal(same[0], same[2])
+    # the online form (one launch, running maximum): p rounded to bf16 against the maximum so far,
+    # so bf16 roundings of p move; within a few bf16 ulps of the output's scale
+    online = np.asarray(sparse_attn_prefill(*args, **tiles, online=True), np.float32)
+    assert np.abs(online - want).max() <= 2 ** -6 * np.abs(want).max()
+    assert not np.allclose(online, 0)
 
 
 def test_bad_shapes_are_refused():

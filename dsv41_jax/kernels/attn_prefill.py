@@ -24,7 +24,11 @@ two launches over a grid of (token, ``hb`` heads):
    again, ``p = exp(l - m)``, their fp32 sum and ``dt(p) @ keys[:, slice]``, then the sink and
    the division, written as dt.
 
-Only the fp32 summation orders differ from XLA's. What it replaces: XLA's query-block loop
+Only the fp32 summation orders differ from XLA's. The max launch runs on key tiles and warps of
+its own (``max_bk``, ``max_warps``: a maximum is exact in any order). ``online=True`` (opt-in,
+``DSV41_ATTN_PREFILL_TILES='{"online": true}'``) runs one launch with flash attention's running
+maximum instead: about 30% less time, but p is rounded to bf16 against the maximum so far, so its
+bf16 roundings are not the reference's (within a few bf16 ulps of the output). What it replaces: XLA's query-block loop
 gathers the selected entries of every query into HBM (``[S, K, d]``: 4.3 GB per layer at 8k
 tokens and V4.1 sizes), runs batched GEMMs with 64-row operands and ~10 elementwise passes
 over the ``[S, H, K]`` logits, and copies each block in and out (run 26: ~18 ms of an 8k
@@ -56,8 +60,13 @@ DEFAULT = "1"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch
 # H200 at V4.1 sizes, 8k tokens (sweep_prefill.py --part attn, run 26): the whole head dim per
 # program on 8 warps, no entry branch, 32-key tiles: 6.5 ms per compressed layer (XLA 10.2 ms);
 # 256-wide value slices on 4 warps 7.3, on 8 warps 13.2; 64-key tiles 9.8-11.6 (or over the shared
-# memory). ``DSV41_ATTN_PREFILL_TILES`` (JSON, e.g. '{"dv": 256}') overrides fields for tuning.
-TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False, max_bk=None, max_warps=None,
+# memory). ``max_bk`` / ``max_warps`` / ``max_stages``: the max launch's own key tiles, warps and
+# stages (None: the output launch's); it holds no [64, 512] accumulator, so 64-key tiles on 4
+# warps suit it: 6.54 -> 5.52 ms per compressed layer (run 28; the maximum is exact, so the output
+# is the same). ``online``: the one-launch running-maximum form (``_online_kernel``: not the
+# reference's rounding points; 4.4 ms; an opt-in). ``DSV41_ATTN_PREFILL_TILES`` (JSON, e.g.
+# '{"dv": 256}') overrides fields for tuning.
+TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False, max_bk=64, max_warps=4,
              max_stages=None, online=False)
 
 
