@@ -64,10 +64,11 @@ DEFAULT = "1"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch
 # stages (None: the output launch's); it holds no [64, 512] accumulator, so 64-key tiles on 4
 # warps suit it: 6.54 -> 5.52 ms per compressed layer (run 28; the maximum is exact, so the output
 # is the same). ``online``: the one-launch running-maximum form (``_online_kernel``: not the
-# reference's rounding points; 4.4 ms; an opt-in). ``DSV41_ATTN_PREFILL_TILES`` (JSON, e.g.
+# reference's rounding points; an opt-in) on its own key tiles ``online_bk``: 3.6 ms with 64 keys,
+# 4.5 with 32 (run 28). ``DSV41_ATTN_PREFILL_TILES`` (JSON, e.g.
 # '{"dv": 256}') overrides fields for tuning.
 TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False, max_bk=64, max_warps=4,
-             max_stages=None, online=False)
+             max_stages=None, online=False, online_bk=64)
 
 
 def _tiles() -> dict:
@@ -224,7 +225,7 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
     J = kw.shape[1]
     K = 0 if idx is None else idx.shape[-1]
     tiles = _tiles()
-    unknown = set(more) - {"max_bk", "max_warps", "max_stages", "online"}
+    unknown = set(more) - {"max_bk", "max_warps", "max_stages", "online", "online_bk"}
     if unknown:
         raise ValueError(f"sparse_attn_prefill: unknown options {sorted(unknown)}")
     tiles.update(more)
@@ -258,7 +259,8 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
     qt = q.reshape(T, H, d)
     if tiles["online"]:
-        o = pl.pallas_call(functools.partial(_online_kernel, hb=hb, dv=dv, **geo),
+        ogeo = dict(geo, bk=tiles["online_bk"] or bk)
+        o = pl.pallas_call(functools.partial(_online_kernel, hb=hb, dv=dv, **ogeo),
                            out_shape=jax.ShapeDtypeStruct((T, H, d), dt), grid=(T, pl.cdiv(H, hb), d // dv),
                            interpret=interpret, name="attn_prefill_online", **params)(qt, sink.astype(F32), *ops)
         return o.reshape(B, S, H, d)
