@@ -88,9 +88,11 @@ def test_bad_shapes_are_refused():
         sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, 1.0, window=4, block=0, impl="xla")
 
 
-def test_golden_bf16_case_with_attention_on_the_kernel(monkeypatch):
+@pytest.mark.parametrize("online", [False, True], ids=["two-launch", "online"])
+def test_golden_bf16_case_with_attention_on_the_kernel(online, monkeypatch):
     """Every attention chunk of the bf16 golden case (its 40-token prefill and its decode steps)
-    through the kernel in the interpreter, checked by ``verify`` against the official outputs."""
+    through the kernel in the interpreter, checked by ``verify`` against the official outputs;
+    also the online opt-in (its other bf16 roundings of p stay within the case's tolerances)."""
     import dsv41_jax.kernels.attn_prefill as AP
     from dsv41_jax.verify import run_case
 
@@ -98,6 +100,8 @@ def test_golden_bf16_case_with_attention_on_the_kernel(monkeypatch):
     if not os.path.isdir(case):
         pytest.fail("golden case text_bf16 missing")
     monkeypatch.setenv("DSV41_ATTN_PREFILL_KERNEL", "interpret")
+    if online:
+        monkeypatch.setenv("DSV41_ATTN_PREFILL_TILES", '{"online": true}')
     monkeypatch.setattr(AP, "MIN_TOKENS", 0)  # the case's chunks are short: take the kernel for all of them
     calls = []
     real = AP.sparse_attn_prefill
