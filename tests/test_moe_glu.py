@@ -132,3 +132,47 @@ def test_routed_pallas_with_and_without_the_glu_kernel(numerics, monkeypatch):
     monkeypatch.setenv("DSV41_MOE_CHUNK", str(M.GLU_MIN_ROWS - 16))
     jax.jit(moe.routed_pallas)(x, w, ids)
     assert calls == [32]
+    # 48-row blocks (32 + 16): the tail-split launches of moe_glu and w2 against one launch each
+    monkeypatch.setenv("DSV41_MOE_CHUNK", "48")
+    split = {}
+    for mode in ("0", "both"):
+        monkeypatch.setenv("DSV41_MOE_SPLIT_TAIL", mode)
+        split[mode] = np.asarray(jax.jit(moe.routed_pallas)(x, w, ids), np.float64)
+    assert np.abs(split["both"] - split["0"]).max() <= tol * np.abs(split["0"]).max()
+    assert np.abs(split["0"] - outs["0"]).max() <= tol * np.abs(outs["0"]).max()
+    monkeypatch.setenv("DSV41_MOE_SPLIT_TAIL", "yes")
+    with pytest.raises(ValueError, match="DSV41_MOE_SPLIT_TAIL"):
+        jax.jit(moe.routed_pallas)(x, w, ids)
+
+
+@pytest.mark.parametrize("bm", [160, 48])
+def test_split_tail_launches(bm):
+    """``split_tail``: blocks whose pairs fit the main row tile run in a launch without the tail
+    tile, the others in a second launch writing into the same output. Blocks filled from their
+    start to different extents (padding rows inside some): every row up to a block's last pair
+    equals the XLA form; a tail-less block's tail rows are not written (NaN in the interpreter)."""
+    from dsv41_jax.kernels.qmatmul import row_tiles
+
+    rng = np.random.default_rng(11 + bm)
+    x, _, _, _, w1, w3 = _problem(rng, F32, True, bm)
+    tm, tail = row_tiles(bm)
+    extents = [3, tm, tm + 1, bm, tm - 5, 1]
+    tok = np.full(len(extents) * bm, -1, np.int32)
+    for j, n in enumerate(extents):
+        tok[j * bm:j * bm + n] = rng.integers(0, x.shape[0], n)
+        if n > 4:
+            tok[j * bm + n // 2] = -1  # a padding row inside the extent
+    tok = jnp.asarray(tok)
+    rw = jnp.asarray(rng.random(tok.shape[0]), F32) * (tok >= 0)
+    bg = jnp.asarray(rng.integers(0, 5, len(extents)), jnp.int32)
+    nb = len(extents) - 1  # the last block is past n_blocks
+    kw = dict(bm=bm, limit=1.5)
+    got = np.asarray(moe_glu(x, tok, rw, bg, nb, w1, w3, impl="interpret", split_tail=True, **kw), np.float64)
+    want = np.asarray(moe_glu_reference(x, tok, rw, bg, nb, w1, w3, **kw), np.float64)
+    for j, n in enumerate(extents[:nb]):
+        rows = slice(j * bm, j * bm + n)
+        assert np.abs(got[rows] - want[rows]).max() <= 1e-5 * max(np.abs(want[rows]).max(), 1e-6), j
+        assert np.all(got[rows][np.asarray(tok[rows]) < 0] == 0), j
+        tail_rows = got[j * bm + tm:(j + 1) * bm]
+        assert np.isnan(tail_rows).all() if n <= tm else not np.isnan(tail_rows).any(), j
+    assert np.isnan(got[nb * bm:]).all()  # a block past n_blocks is in neither launch

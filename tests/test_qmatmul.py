@@ -537,3 +537,28 @@ def test_unused_blocks_left_unwritten_on_request():
     part = np.asarray(Q.grouped_qmatmul(x, bg, 2, codes, scale, bm=16, impl="interpret", dead_zeros=False))
     np.testing.assert_array_equal(part[:32], full[:32])
     assert np.all(full[32:] == 0)
+
+
+def test_split_tail_launches():
+    """``split_tail`` (160-row blocks = 128 + 32): blocks marked 0 run without the tail tile (its
+    rows left unwritten: NaN in the interpreter), the others on both tiles in a second launch into
+    the same outputs; with the default zero-filling, blocks past ``n_blocks`` are still zeros."""
+    rng = np.random.default_rng(5)
+    bm, nb, K = 160, 5, 64
+    x = jnp.asarray(rng.standard_normal((nb * bm, K)), F32)
+    ws = [_weights(rng, "int8", 3, O, K) for O in (48, 80)]
+    bg = jnp.asarray(rng.integers(0, 3, nb), jnp.int32)
+    sel = jnp.asarray([0, 1, 1, 0, 1], jnp.int32)
+    want = [_np_grouped(x, bg, 4, c, s, bm, 0.5) for c, s in ws]
+    for dead_zeros in (False, True):
+        got = Q.grouped_qmatmul_fused(x, bg, 4, ws, bm=bm, impl="interpret", split_tail=sel, dead_zeros=dead_zeros)
+        for g, w in zip(got, want):
+            g = np.asarray(g)
+            for j in range(4):
+                main, tail = slice(j * bm, j * bm + 128), slice(j * bm + 128, (j + 1) * bm)
+                assert _rel(g[main], w[main]) < 1e-5, j
+                if int(sel[j]):
+                    assert _rel(g[tail], w[tail]) < 1e-5, j
+                else:
+                    assert np.isnan(g[tail]).all(), j
+            assert np.all(g[4 * bm:] == 0) if dead_zeros else np.isnan(g[4 * bm:]).all()

@@ -168,7 +168,8 @@ class Config:
     MMAs): an expert block slightly larger than a power of two costs one weight read and few
     padded rows instead of a second block. ``dead_zeros`` False: row blocks ``>= n_blocks`` are
     left unwritten instead of zero-filled (callers that never read them: a prefill's routed w2,
-    whose unused blocks are about 40% of the layout)."""
+    whose unused blocks are about 40% of the layout). ``select`` >= 0 (set by ``split_tail``): a
+    launch over the blocks whose selector equals it only (the others are left as they are)."""
     mode: str
     tm: int
     bo: int
@@ -183,6 +184,7 @@ class Config:
     wlhs: bool = False
     tail: int = 0
     dead_zeros: bool = True
+    select: int = -1
 
 
 # split-K target: about this many programs in flight (4 per SM of a 132-SM H200)
@@ -367,8 +369,13 @@ def _kernel(nb_ref, bg_ref, x_ref, *refs, cfg: Config, bm: int, nb: int, Os: tup
     else:
         oi, j = pl.program_id(0), pl.program_id(1)
     ks = pl.program_id(2) if cfg.splitk > 1 else 0  # K range (read here: outside the weight branches)
+    sel_ref = None
+    if cfg.select >= 0:  # split_tail: the blocks' selector, and in the second launch the first one's outputs
+        sel_ref, refs = refs[0], refs[1:]
+        if cfg.select == 1:
+            refs = refs[:-2 * len(Os)] + refs[-len(Os):]
     _weights_program(nb_ref, bg_ref, x_ref, refs, oi=oi, j=j, ks=ks, cfg=cfg, bm=bm, nb=nb, Os=Os, K=K,
-                     scaled=scaled, mult=mult, cd=cd, out_dtype=out_dtype, codes_dtype=codes_dtype)
+                     scaled=scaled, mult=mult, cd=cd, out_dtype=out_dtype, codes_dtype=codes_dtype, sel_ref=sel_ref)
 
 
 def _tile_starts(Os, bo: int) -> list:
@@ -399,7 +406,7 @@ def _weights_program(nb_ref, bg_ref, x_ref, refs, *, oi, Os, scaled: bool, **kw)
 
 
 def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: int, nb: int, O: int, K: int,
-             scaled: bool, mult: float, cd, out_dtype, codes_dtype):
+             scaled: bool, mult: float, cd, out_dtype, codes_dtype, sel_ref=None):
     """The work of one program on one weight: output tile ``oi`` (of this weight), row block ``j``,
     K range ``ks``."""
     from jax.experimental import pallas as pl
@@ -425,6 +432,8 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
     omask = ocol < O
     smask = rmask & (o0 + lax.broadcasted_iota(jnp.int32, (1, bo), 1) < O)  # [tm, bo] store mask
     live = j < nb_ref[0]
+    if cfg.select >= 0:
+        live = live & (sel_ref[j] == cfg.select)
     prec = lax.Precision.HIGHEST if cd == F32 else None
     dims = (((1,), (1,)), ((), ()))
 
@@ -506,7 +515,7 @@ def _program(nb_ref, bg_ref, x_ref, c_ref, *rest, oi, j, ks, cfg: Config, bm: in
     if not cfg.dead_zeros:
         return
 
-    @pl.when(jnp.logical_not(live))
+    @pl.when(j >= nb_ref[0])  # (not the blocks a split launch leaves to the other one)
     def _skip():
         put(jnp.zeros((tm, bo), F32))
         if cfg.tail:
@@ -562,7 +571,7 @@ def _load_or(ref, mask):
     return plgpu.load(ref, mask=jnp.broadcast_to(mask, ref.shape), other=0)
 
 
-def _operands(x, block_group, n_blocks, weights, cfg: Config) -> list:
+def _operands(x, block_group, n_blocks, weights, cfg: Config, select=None) -> list:
     """The kernel operands of one problem: n_blocks, block_group, x, then each weight's codes
     (and scale), in the views the inner mode reads."""
     R, K = x.shape
@@ -579,7 +588,8 @@ def _operands(x, block_group, n_blocks, weights, cfg: Config) -> list:
         else:
             codes_v = codes
         ops += [codes_v] + ([scale] if scale is not None else [])
-    return [jnp.asarray(n_blocks, jnp.int32).reshape(1), block_group.astype(jnp.int32), x_v] + ops
+    sel = [] if select is None else [jnp.asarray(select, jnp.int32)]
+    return [jnp.asarray(n_blocks, jnp.int32).reshape(1), block_group.astype(jnp.int32), x_v] + sel + ops
 
 
 def _out_shapes(R: int, Os, cfg: Config, out_dtype) -> list:
@@ -604,12 +614,23 @@ def _finish(ys, cfg: Config, out_dtype) -> tuple:
     return tuple(ys)
 
 
-def _pallas(x, block_group, n_blocks, weights, *, bm, out_dtype, mult, cfg: Config, interpret: bool):
+def _pallas(x, block_group, n_blocks, weights, *, bm, out_dtype, mult, cfg: Config, interpret: bool,
+            split_tail=None):
     """One ``pallas_call`` for the weights ``[(codes [G, O_i, K], scale or None), ...]`` (same G, K,
-    dtypes): their output tiles form one launch. Returns one output per weight."""
+    dtypes): their output tiles form one launch. Returns one output per weight. ``split_tail``
+    (a ``[R // bm]`` selector, "dot" mode with a tail tile): two launches, the blocks with
+    selector 0 on the main row tile only, then those with 1 on both tiles, into the same outputs."""
+    if split_tail is not None and cfg.select < 0 and cfg.tail and cfg.mode == "dot" and cfg.splitk == 1:
+        first = _pallas(x, block_group, n_blocks, weights, bm=bm, out_dtype=out_dtype, mult=mult,
+                        cfg=dataclasses.replace(cfg, tail=0, select=0), interpret=interpret, split_tail=split_tail)
+        return _pallas(x, block_group, n_blocks, weights, bm=bm, out_dtype=out_dtype, mult=mult,
+                       cfg=dataclasses.replace(cfg, select=1), interpret=interpret, split_tail=(split_tail, first))
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
+    prev = ()
+    if cfg.select == 1:
+        split_tail, prev = split_tail
     R, K = x.shape
     codes0 = weights[0][0]
     Os = tuple(int(c.shape[1]) for c, _ in weights)
@@ -620,9 +641,12 @@ def _pallas(x, block_group, n_blocks, weights, *, bm, out_dtype, mult, cfg: Conf
     grid = (n_o * nb,) if cfg.group_rows else (n_o, nb, cfg.splitk)
     kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
                                                                        num_stages=cfg.num_stages))
+    ops = _operands(x, block_group, n_blocks, weights, cfg, split_tail if cfg.select >= 0 else None)
+    if prev:
+        kw["input_output_aliases"] = {len(ops) + i: i for i in range(len(prev))}
     ys = pl.pallas_call(kernel, out_shape=tuple(_out_shapes(R, Os, cfg, out_dtype)), grid=grid, interpret=interpret,
                         cost_estimate=_cost(x, weights, bm, out_dtype), name="grouped_qmatmul",
-                        **kw)(*_operands(x, block_group, n_blocks, weights, cfg))
+                        **kw)(*ops, *prev)
     return _finish(ys, cfg, out_dtype)
 
 
@@ -761,7 +785,8 @@ def _reference_all(x, block_group, n_blocks, weights, bm, out_dtype, mult) -> tu
 
 
 def grouped_qmatmul_fused(x, block_group, n_blocks, weights, *, bm: int, out_dtype=None,
-                          mult: float | None = None, impl: str = "auto", mode: str = "auto", **tiles):
+                          mult: float | None = None, impl: str = "auto", mode: str = "auto", split_tail=None,
+                          **tiles):
     """``grouped_qmatmul`` of one ``x`` against several weights in one kernel launch.
 
     ``weights``: ``[(codes, scale), ...]``, each as ``grouped_qmatmul`` takes them, all with the
@@ -770,13 +795,16 @@ def grouped_qmatmul_fused(x, block_group, n_blocks, weights, *, bm: int, out_dty
     one [R, O_i] result per weight, each equal to its own ``grouped_qmatmul`` call (the same
     kernel tiles run on each weight's tiles; only the split-K choice, and so the fp32 summation
     order, may differ). The launch is one grid over all weights' output tiles: small GEMVs
-    stream together instead of paying each kernel's ramp-up and tail."""
+    stream together instead of paying each kernel's ramp-up and tail. ``split_tail`` ``[R // bm]``
+    int32 (optional; blocks of a tail tile, e.g. 160 = 128 + 32): 0 marks a block whose rows past
+    the main tile are unused: those blocks run in a launch without the tail tile and their tail
+    rows are left unwritten; the others follow in a second launch (the XLA route computes all)."""
     weights, out_dtype, mult, impl, cfg = _prepare(x, block_group, weights, bm=bm, out_dtype=out_dtype, mult=mult,
                                                    impl=impl, mode=mode, tiles=tiles)
     if impl == "xla":
         return _reference_all(x, block_group, n_blocks, weights, bm, out_dtype, mult)
     return _pallas(x, block_group, n_blocks, weights, bm=bm, out_dtype=out_dtype, mult=mult, cfg=cfg,
-                   interpret=impl == "interpret")
+                   interpret=impl == "interpret", split_tail=split_tail)
 
 
 def grouped_qmatmul_multi(problems, *, impl: str = "auto") -> list:

@@ -57,6 +57,17 @@ def pallas_chunk(n_pairs: int, n_experts: int) -> int:
     return p + tail
 
 
+def split_tail() -> str:
+    """``DSV41_MOE_SPLIT_TAIL`` (read at trace time): "0" (default), "glu" or "both": a prefill's
+    expert blocks whose pairs fit the main row tile (160 = 128 + 32: an expert with <= 128 pairs)
+    run in a launch without the tail tile, the others in a second one, in ``moe_glu`` (and with
+    "both" in the w2 launch too) instead of every block computing both row tiles."""
+    mode = os.environ.get("DSV41_MOE_SPLIT_TAIL", "0")
+    if mode not in ("0", "glu", "both"):
+        raise ValueError(f"DSV41_MOE_SPLIT_TAIL={mode!r}: use 0, glu or both")
+    return mode
+
+
 # Expert blocks of at least this many rows (prefills of ~1k tokens and more at V4.1-Flash) take
 # ``kernels.moe_glu``; smaller ones (a batch-64 decode step's 16-row blocks) keep the fused
 # ``grouped_qmatmul`` launch: on 16-row blocks moe_glu made that step 11.8 -> 13.3 ms (run 27).
@@ -329,7 +340,8 @@ class MoE(nnx.Module):
         ``routed_pallas_with_shared`` allows it): the shared expert's projections run in the same
         launches (``grouped_qmatmul_multi``) and its output is added."""
         from dsv41_jax.kernels import fused_launches, grouped_qmatmul_fused, grouped_qmatmul_multi
-        from dsv41_jax.kernels.moe_glu import glu_kernel, moe_glu
+        from dsv41_jax.kernels.moe_glu import block_extent, glu_kernel, moe_glu
+        from dsv41_jax.kernels.qmatmul import row_tiles
 
         dt = self.numerics.dtype
         ex = self.experts
@@ -365,19 +377,25 @@ class MoE(nnx.Module):
         if with_shared:
             raise ValueError("routed_pallas: with_shared is for decode (fewer pairs than experts)")
         c = pallas_chunk(N, self.n_experts)
+        split = split_tail()
+        sel = None
         if c >= GLU_MIN_ROWS and glu_kernel():  # rows gathered, w1 + w3, SwiGLU (and w2's act quant) in one launch
             row_token, ws, row_of_pair, NC, blocks, n_used = self._rows(w, ids, c)
             h = moe_glu(xa.astype(cd), row_token, ws, blocks, n_used,
                         kernel_weight(ex.w1), kernel_weight(ex.w3),
-                        bm=c, limit=self.limit, out_dtype=dt, act_quant=self._quantizes())
+                        bm=c, limit=self.limit, out_dtype=dt, act_quant=self._quantizes(),
+                        **({"split_tail": True} if split != "0" else {}))
             ha, cd2 = self._aq(h, xq=h)  # (already quantized: only the dtype)
+            if split == "both":  # w2 skips the tail tiles moe_glu left unwritten
+                sel = (block_extent(row_token, c) > row_tiles(c)[0]).astype(jnp.int32)
         else:
             xs, ws, row_of_pair, NC, blocks, n_used = self._dispatch(xa, w, ids, c, cd)
             (g, u), _ = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
             h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
             ha, cd2 = self._aq(h)
-        # combine_pairs reads the rows of pairs only: unused blocks of y stay unwritten
-        (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c, dead_zeros=False)
+        # combine_pairs reads the rows of pairs only: unused blocks (and split-off tail rows) of y
+        # stay unwritten
+        (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c, dead_zeros=False, split_tail=sel)
         return combine_pairs(y, row_of_pair, T, k)
 
     def routed_pallas_with_shared(self, x, w, ids, xq=None):
