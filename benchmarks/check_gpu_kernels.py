@@ -15,6 +15,7 @@ fp8 act-quant (``kernels.norm_quant``) against its jnp form; and the decode mHC 
 (``kernels.mhc_mix.hc_mixes_decode``) against ``hc_mixes``' XLA form.
 
     python3 benchmarks/check_gpu_kernels.py
+    python3 benchmarks/check_gpu_kernels.py split_tail   # only the split-tail launches (run 28)
 """
 from __future__ import annotations
 
@@ -274,8 +275,35 @@ def check_multi(routed, shared):
                  bits_equal_to_alone=bool(jnp.array_equal(multi[pi][i], single[i])))
 
 
+def check_split_tail(key):
+    """The prefill's split-tail launches (``split_tail``: blocks whose pairs fit the 128-row tile
+    without the 32-row tail, the others on both tiles, into the same output) for the routed w2 at
+    V4.1 sizes: every written row against the reference, and the rows the one-launch form writes
+    bit for bit."""
+    E, D, I, bm, nb = 384, 5120, 2304, 160, 96
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    codes = jax.random.randint(k1, (E, D, I), -12, 13).astype(jnp.int8)
+    scale = jax.random.randint(k2, (E, D, I // 32), 118, 130).astype(jnp.uint8)
+    x = jax.random.normal(k3, (nb * bm, I), jnp.float32).astype(jnp.bfloat16)
+    bg = jax.random.randint(k4, (nb,), 0, E).astype(jnp.int32)
+    sel = (jnp.arange(nb) % 3 == 0).astype(jnp.int32)
+    f32 = jnp.float32
+    split = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=f32, impl="triton", split_tail=sel,
+                                                 dead_zeros=False))(x, bg, nb - 4, codes, scale)
+    one = jax.jit(lambda *a: Q.grouped_qmatmul(*a, bm=bm, out_dtype=f32, impl="triton"))(x, bg, nb - 4, codes, scale)
+    want = jax.jit(lambda *a: Q.grouped_qmatmul_reference(*a, bm=bm, out_dtype=f32))(x, bg, nb - 4, codes, scale)
+    r = jnp.arange(nb * bm)
+    written = ((r % bm < 128) | (sel[r // bm] == 1)) & (r // bm < nb - 4)
+    emit(check="qmatmul_split_tail", rel_err=rel(jnp.where(written[:, None], split, 0), jnp.where(written[:, None], want, 0)),
+         bits_equal_to_one_launch=bool(jnp.array_equal(split[written], one[written])))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["split_tail"]:
+        check_split_tail(jax.random.key(9))
+        sys.exit(0)
     main()
+    check_split_tail(jax.random.key(9))
     check_indexer(jax.random.key(3))
     check_mhc_mix(jax.random.key(4))
     check_norm_quant(jax.random.key(5))
