@@ -280,7 +280,7 @@ def _is_original(path: str) -> bool:
 
 def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numerics: str = "reference",
          text_only: bool = False, tokenizer: bool = True, experts_int8: bool = False, dense_fp8: bool = False,
-         vit_attention: str = "fp32") -> DeepseekVL:
+         vit_attention: str = "fp32", text_attention: str = "exact") -> DeepseekVL:
     """Load a converted Orbax checkpoint (``dsv41-jax convert``) or an original-format DeepSeek
     checkpoint directory. ``mesh``: a ``jax.sharding.Mesh`` or "D,E,T" spec to shard onto.
     ``dtype``: compute dtype ("bfloat16" or "float32"); ``numerics``: "reference" (the official
@@ -290,12 +290,15 @@ def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numeric
     e4m3 codes + ue8m0 scales in device memory (original fp8 checkpoints, or Orbax ones converted
     with ``--dense fp8``); results are bit-identical to the dequantized weights;
     ``vit_attention``: "fp32" (the vision tower's parity path) or "bf16" (its performance mode:
-    bf16 attention and GEMMs with fp32 accumulation, cuDNN flash attention on GPU; docs/vision.md)."""
+    bf16 attention and GEMMs with fp32 accumulation, cuDNN flash attention on GPU; docs/vision.md);
+    ``text_attention``: "exact" (the decoder's prefill attention kernel rounds the probabilities as
+    the reference does) or "online" (its performance mode on the GPU: one launch with a running
+    maximum, ~30% less attention time, outputs within a few bf16 ulps; ``Numerics``)."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise LoadError(f"{path}: not a directory (expected a checkpoint directory)")
     enable_compilation_cache()
-    num = Numerics(dtype, numerics, vit_attention)
+    num = Numerics(dtype, numerics, vit_attention, text_attention)
     cfg = ModelConfig.from_file(path)
     if isinstance(mesh, str):
         from dsv41_jax.sharding import mesh_from_spec

@@ -119,9 +119,10 @@ def test_switch_and_tiles_env(monkeypatch):
     never by default off the GPU; a bad ``DSV41_ATTN_PREFILL_TILES`` is one clear error."""
     import dsv41_jax.kernels.attn_prefill as AP
 
-    def attend_kernel(S):
+    def attend_kernel(S, text_attention="exact"):
         q, pos, kw, kpos, cmp, idx, sink = _case(1, S, 16, 32, 4, 6, 4)
-        fake = SimpleNamespace(numerics=SimpleNamespace(dtype=BF), window=4, head_dim=32, attn_sink=sink)
+        fake = SimpleNamespace(numerics=SimpleNamespace(dtype=BF, text_attention=text_attention), window=4,
+                               head_dim=32, attn_sink=sink)
         return Attention._attend_kernel(fake, q, pos, kw, kpos, cmp, idx, 0)
 
     monkeypatch.delenv("DSV41_ATTN_PREFILL_KERNEL", raising=False)
@@ -130,9 +131,38 @@ def test_switch_and_tiles_env(monkeypatch):
     assert attend_kernel(AP.MIN_TOKENS) is None      # decode steps and short chunks keep XLA's form
     monkeypatch.setattr(AP, "MIN_TOKENS", 4)
     assert attend_kernel(5).shape == (1, 5, 16, 32)
+    # Numerics.text_attention "online" asks the kernel for its one-launch form; "exact" leaves the tiles' choice
+    seen = []
+    real = AP.sparse_attn_prefill
+    monkeypatch.setattr(AP, "sparse_attn_prefill", lambda *a, **k: seen.append(k.get("online")) or real(*a, **k))
+    exact, online = attend_kernel(5), attend_kernel(5, "online")
+    assert seen == [None, True] and online.shape == exact.shape and not np.array_equal(online, exact)
+    monkeypatch.setattr(AP, "sparse_attn_prefill", real)
     monkeypatch.setenv("DSV41_ATTN_PREFILL_TILES", '{"bq": 8}')
     with pytest.raises(ValueError, match="unknown fields"):
         attend_kernel(5)
     monkeypatch.setenv("DSV41_ATTN_PREFILL_TILES", "dv=64")
     with pytest.raises(ValueError, match="not a JSON object"):
         attend_kernel(5)
+
+
+def test_text_attention_option(monkeypatch):
+    """``Numerics.text_attention`` takes "exact" (default) or "online" (one clear error otherwise);
+    ``load(text_attention=...)`` and ``generate --text-attention`` pass it on."""
+    import dsv41_jax
+    from dsv41_jax import cli
+    from dsv41_jax.numerics import Numerics
+
+    assert Numerics().text_attention == "exact"
+    with pytest.raises(ValueError, match="text_attention"):
+        Numerics("bfloat16", "reference", "fp32", "flash")
+    m = dsv41_jax.load(os.path.join(GOLDEN, "text_bf16"), text_attention="online", tokenizer=False)
+    assert m.numerics.text_attention == "online"
+    from flax import nnx
+    layers = [a for _, a in nnx.iter_graph(m.model) if isinstance(a, Attention)]
+    assert layers and {a.numerics.text_attention for a in layers} == {"online"}
+    seen = {}
+    monkeypatch.setattr(dsv41_jax, "load", lambda path, **kw: seen.update(kw))
+    cli._load(cli.build_parser().parse_args(["generate", "m", "p", "--text-attention", "online"]))
+    assert seen["text_attention"] == "online"
+    assert cli.build_parser().parse_args(["generate", "m", "p"]).text_attention == "exact"
