@@ -215,6 +215,12 @@ def test_rope_tail_rotation_and_inverse():
     np.testing.assert_array_equal(np.asarray(y)[..., :-16], x[..., :-16])  # nope part untouched
     back = R.rope_tail(y, jnp.asarray(pos)[..., None], freqs, inverse=True)
     assert rel_err(back, x) <= TOL
+    # the in-place form (the tail written back by a dynamic_update_slice) gives the same bits
+    for inv, src in ((False, jnp.asarray(x)), (True, y)):
+        same = jax.jit(lambda a, inv=inv: R.rope_tail(a, jnp.asarray(pos)[..., None], freqs, inverse=inv,
+                                                      in_place=True))(src)
+        ref = R.rope_tail(src, jnp.asarray(pos)[..., None], freqs, inverse=inv)
+        np.testing.assert_array_equal(np.asarray(same), np.asarray(ref))
     # norms of each rotated pair are preserved
     pairs = lambda a: np.linalg.norm(np.asarray(a)[..., -16:].reshape(*a.shape[:-1], 8, 2), axis=-1)  # noqa: E731
     assert rel_err(pairs(y), pairs(x)) <= TOL

@@ -28,6 +28,16 @@ F32 = jnp.float32
 NEG_INF = -jnp.inf
 
 
+def rope_out_in_place() -> bool:
+    """``DSV41_ROPE_OUT_IN_PLACE`` (read at trace time; 0 = off, the default, or 1): the attention
+    output's inverse RoPE written back into its tail instead of a concatenation (session 18; not
+    measured on the GPU yet)."""
+    mode = os.environ.get("DSV41_ROPE_OUT_IN_PLACE", "0")
+    if mode not in ("0", "1"):
+        raise ValueError(f"DSV41_ROPE_OUT_IN_PLACE={mode!r}: use 0 or 1")
+    return mode == "1"
+
+
 def _scatter_rows(buf, idx, vals):
     """buf [B, T, ...] .at[b, idx[b, j]].set(vals[b, j]); out-of-range idx (e.g. T) are dropped."""
     # per-row scatter under vmap: batch-sharded caches stay local (no traffic over "data")
@@ -451,7 +461,7 @@ class Attention(nnx.Module):
                 ctx = self._select(x, qr, pos, ctx, capture, iq)
             kc, kc_ok = ctx["cmp_kv"], ctx["topk"]
         o = self._attend(q, pos, kw, kpos, kc, kc_ok)
-        o = rope_tail(o, pos[..., None], freqs, inverse=True)
+        o = rope_tail(o, pos[..., None], freqs, inverse=True, in_place=rope_out_in_place())
         o = self._grouped_out(o.reshape(B, S, self.n_groups, -1).astype(dt))
         out = self.wo_b(o.reshape(B, S, self.n_groups * self.o_rank))
 

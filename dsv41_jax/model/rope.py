@@ -11,6 +11,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from dsv41_jax.config import RopeScaling, TextConfig
 
@@ -39,11 +40,15 @@ def layer_inv_freq(cfg: TextConfig, ratio: int) -> np.ndarray:
     return inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta, None)
 
 
-def rope_tail(x, pos, freqs, inverse: bool = False):
+def rope_tail(x, pos, freqs, inverse: bool = False, in_place: bool = False):
     """Rotate the last ``2*len(freqs)`` channels of ``x`` by position ``pos``.
 
     x: [..., S, (heads,) d] with ``pos`` broadcastable to x.shape[:-1] after dropping the head
-    axis; pass ``pos`` already shaped to x.shape[:-1].
+    axis; pass ``pos`` already shaped to x.shape[:-1]. ``in_place``: the rotated tail goes back
+    with a ``dynamic_update_slice`` (XLA may then write only the tail into ``x``'s buffer) instead
+    of a concatenation (a copy of all of ``x``). Only for an ``x`` that is its own buffer: on
+    XLA:CPU (jax 0.10) the in-place forms corrupted decode results when ``x`` was one slice of a
+    fused projection's output (the queries and window KV after ``fused_linears``; session 18).
     """
     r = 2 * freqs.shape[-1]
     ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(freqs, jnp.float32)
@@ -55,4 +60,6 @@ def rope_tail(x, pos, freqs, inverse: bool = False):
     ra = a * cos - b * sin
     rb = a * sin + b * cos
     rot = jnp.stack([ra, rb], axis=-1).reshape(tail.shape).astype(x.dtype)
+    if in_place:
+        return lax.dynamic_update_slice_in_dim(x, rot, x.shape[-1] - r, axis=-1)
     return jnp.concatenate([x[..., :-r], rot], axis=-1)
