@@ -232,6 +232,9 @@ def part_glu(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304, limit
                     return quant.act_quant_fp8(h.astype(jnp.float32), 32).astype(BF16) if aq else h
             else:
                 def first_half(x, row_token, ws, blocks, n_used, w1, w3, c=c, tiles=tiles):
+                    tiles = dict(tiles)
+                    if tiles.pop("split_tail", False):
+                        tiles["split_tail"] = Q.tail_selector(row_token, c)
                     return moe_glu(x, row_token, ws, blocks, n_used, w1, w3, bm=c, limit=limit, impl=IMPL, **tiles)
 
             def fn(i, s, *a):

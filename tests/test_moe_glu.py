@@ -151,7 +151,7 @@ def test_split_tail_launches(bm):
     tile, the others in a second launch writing into the same output. Blocks filled from their
     start to different extents (padding rows inside some): every row up to a block's last pair
     equals the XLA form; a tail-less block's tail rows are not written (NaN in the interpreter)."""
-    from dsv41_jax.kernels.qmatmul import row_tiles
+    from dsv41_jax.kernels.qmatmul import row_tiles, tail_selector
 
     rng = np.random.default_rng(11 + bm)
     x, _, _, _, w1, w3 = _problem(rng, F32, True, bm)
@@ -167,7 +167,9 @@ def test_split_tail_launches(bm):
     bg = jnp.asarray(rng.integers(0, 5, len(extents)), jnp.int32)
     nb = len(extents) - 1  # the last block is past n_blocks
     kw = dict(bm=bm, limit=1.5)
-    got = np.asarray(moe_glu(x, tok, rw, bg, nb, w1, w3, impl="interpret", split_tail=True, **kw), np.float64)
+    sel = tail_selector(tok, bm)
+    np.testing.assert_array_equal(np.asarray(sel), [int(n > tm) for n in extents])
+    got = np.asarray(moe_glu(x, tok, rw, bg, nb, w1, w3, impl="interpret", split_tail=sel, **kw), np.float64)
     want = np.asarray(moe_glu_reference(x, tok, rw, bg, nb, w1, w3, **kw), np.float64)
     for j, n in enumerate(extents[:nb]):
         rows = slice(j * bm, j * bm + n)
@@ -176,3 +178,5 @@ def test_split_tail_launches(bm):
         tail_rows = got[j * bm + tm:(j + 1) * bm]
         assert np.isnan(tail_rows).all() if n <= tm else not np.isnan(tail_rows).any(), j
     assert np.isnan(got[nb * bm:]).all()  # a block past n_blocks is in neither launch
+    with pytest.raises(ValueError, match="split_tail"):
+        moe_glu(x, tok, rw, bg, nb, w1, w3, impl="interpret", split_tail=True, **kw)

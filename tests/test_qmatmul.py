@@ -562,3 +562,5 @@ def test_split_tail_launches():
                 else:
                     assert np.isnan(g[tail]).all(), j
             assert np.all(g[4 * bm:] == 0) if dead_zeros else np.isnan(g[4 * bm:]).all()
+    with pytest.raises(ValueError, match="split_tail"):
+        Q.grouped_qmatmul_fused(x, bg, 4, ws, bm=bm, impl="interpret", split_tail=sel[:3])

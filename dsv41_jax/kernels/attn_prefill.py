@@ -176,8 +176,8 @@ def _out_kernel(q_ref, m_ref, sink_ref, *refs, hb: int, dv: int, **geo):
 def _online_kernel(q_ref, sink_ref, *refs, hb: int, dv: int, **geo):
     """``online``: one launch with a running maximum (flash attention's rescaling): the
     probabilities are rounded to dt relative to the maximum so far, not the row's, so the result
-    differs from the two-launch form by bf16 roundings of p (an experiment; not the reference's
-    rounding points)."""
+    differs from the two-launch form by bf16 roundings of p (not the reference's rounding points:
+    ``Numerics.text_attention`` "online", an opt-in)."""
     from jax.experimental import pallas as pl
 
     o_ref = refs[-1]
@@ -225,7 +225,7 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
     J = kw.shape[1]
     K = 0 if idx is None else idx.shape[-1]
     tiles = _tiles()
-    unknown = set(more) - {"max_bk", "max_warps", "max_stages", "online", "online_bk"}
+    unknown = set(more) - set(TILES)
     if unknown:
         raise ValueError(f"sparse_attn_prefill: unknown options {sorted(unknown)}")
     tiles.update(more)

@@ -43,7 +43,7 @@ from dsv41_jax.kernels.qmatmul import (QBLOCK, _check, _grouped, _largest_pow2_d
 F32 = jnp.float32
 # Tiles measured on one H200 (sweep_prefill.py --part glu, run 27): ``bo`` output columns of each weight
 # per program, ``bk`` inputs per K step. ``DSV41_MOE_GLU_TILES`` (JSON) overrides fields.
-TILES = dict(bo=64, bk=64, num_warps=4, num_stages=3, split_tail=False)
+TILES = dict(bo=64, bk=64, num_warps=4, num_stages=3)
 
 
 def glu_kernel() -> bool:
@@ -149,7 +149,7 @@ def _kernel(nb_ref, sel_ref, bg_ref, tok_ref, rw_ref, x_ref, *refs, bm: int, tm:
 
 def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int, limit: float, out_dtype=None,
             mult: float | None = None, act_quant: bool = False, impl: str = "auto", gather: str = "kernel",
-            **tiles):
+            split_tail=None, **tiles):
     """``x [T, K]`` (the compute dtype), ``row_token [R]`` int32 (-1: padding row),
     ``row_weight [R]`` fp32, ``block_group [R // bm]``, ``n_blocks`` (used blocks), ``w1`` / ``w3``
     as ``(codes [G, I, K], scale [G, I, K // 32] or None)`` -> ``h [R, I]`` in ``out_dtype``
@@ -157,6 +157,9 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
     two plus a power-of-two tail >= 16 where it is one (160 = 128 + 32), else as one tile of the
     next power of two (>= 16) with masked rows, as ``qmatmul``. ``tiles``: ``TILES`` fields.
     Rows of blocks ``>= n_blocks`` are left unwritten by the kernels (zeros on the XLA route).
+    ``split_tail`` (``qmatmul.tail_selector(row_token, bm)``, blocks with a tail tile only): the
+    blocks marked 0 run in a launch without the tail tile (their tail rows left unwritten), the
+    others in a second launch into the same output, as ``grouped_qmatmul_fused``'s.
     ``act_quant``: ``h`` comes out fp8-quantized per 32 columns (``quant.act_quant_fp8`` of the
     rounded ``h``, what the reference numerics apply before w2), when ``I % 32 == 0`` (otherwise,
     as ``act_quant_fp8``, unquantized)."""
@@ -204,8 +207,10 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
     wbytes = 2 * c1.dtype.itemsize * I * K + (2 * I * K // QBLOCK if scaled else 0)
     cost = pl.CostEstimate(flops=4 * R * I * K, transcendentals=R * I,
                            bytes_accessed=nb * wbytes + R * K * x.dtype.itemsize + R * I * out_dtype.itemsize)
-    split = bool(tail and t["split_tail"])
-    sel = (block_extent(row_token, bm) > tm).astype(jnp.int32) if split else jnp.zeros((nb,), jnp.int32)
+    if split_tail is not None and jnp.shape(split_tail) != (nb,):
+        raise ValueError(f"moe_glu: split_tail {jnp.shape(split_tail)} for {nb} row blocks (qmatmul.tail_selector)")
+    split = bool(tail) and split_tail is not None
+    sel = jnp.asarray(split_tail, jnp.int32) if split else jnp.zeros((nb,), jnp.int32)
     ins = [jnp.asarray(n_blocks, jnp.int32).reshape(1), sel, block_group.astype(jnp.int32),
            row_token.astype(jnp.int32), row_weight.astype(F32), xin, *ws]
 
@@ -224,8 +229,3 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
     # launch one K loop (one kernel with both loops behind a branch ran 8% slower, run 28)
     return launch(1, launch(0))
 
-
-def block_extent(row_token, bm: int):
-    """Rows of each ``bm``-row block up to its last pair (``row_token >= 0``); 0 for an empty block."""
-    used = (row_token.reshape(-1, bm) >= 0).astype(jnp.int32)
-    return jnp.max(used * jnp.arange(1, bm + 1, dtype=jnp.int32), axis=1)

@@ -225,6 +225,15 @@ def row_tiles(bm: int) -> tuple:
     return max(p, 16), 0
 
 
+def tail_selector(row_token, bm: int):
+    """``split_tail``'s selector of a ``bm``-row block layout (``row_token`` -1 for a padding row;
+    pairs fill a block from its start): 1 where a block has a pair in its tail tile (past the
+    main tile of ``row_tiles(bm)``), else 0; int32 ``[R // bm]``."""
+    tm = row_tiles(bm)[0]
+    last = jnp.max(jnp.where(row_token.reshape(-1, bm) >= 0, jnp.arange(1, bm + 1, dtype=jnp.int32), 0), axis=1)
+    return (last > tm).astype(jnp.int32)
+
+
 def _largest_pow2_divisor(n: int, cap: int) -> int:
     p = 1
     while p * 2 <= cap and n % (p * 2) == 0:
@@ -615,22 +624,19 @@ def _finish(ys, cfg: Config, out_dtype) -> tuple:
 
 
 def _pallas(x, block_group, n_blocks, weights, *, bm, out_dtype, mult, cfg: Config, interpret: bool,
-            split_tail=None):
+            split_tail=None, prev=()):
     """One ``pallas_call`` for the weights ``[(codes [G, O_i, K], scale or None), ...]`` (same G, K,
     dtypes): their output tiles form one launch. Returns one output per weight. ``split_tail``
     (a ``[R // bm]`` selector, "dot" mode with a tail tile): two launches, the blocks with
-    selector 0 on the main row tile only, then those with 1 on both tiles, into the same outputs."""
+    selector 0 on the main row tile only, then those with 1 on both tiles, into the same outputs
+    (``prev``: the first launch's outputs, aliased to the second's)."""
     if split_tail is not None and cfg.select < 0 and cfg.tail and cfg.mode == "dot" and cfg.splitk == 1:
-        first = _pallas(x, block_group, n_blocks, weights, bm=bm, out_dtype=out_dtype, mult=mult,
-                        cfg=dataclasses.replace(cfg, tail=0, select=0), interpret=interpret, split_tail=split_tail)
-        return _pallas(x, block_group, n_blocks, weights, bm=bm, out_dtype=out_dtype, mult=mult,
-                       cfg=dataclasses.replace(cfg, select=1), interpret=interpret, split_tail=(split_tail, first))
+        kw = dict(bm=bm, out_dtype=out_dtype, mult=mult, interpret=interpret, split_tail=split_tail)
+        first = _pallas(x, block_group, n_blocks, weights, cfg=dataclasses.replace(cfg, tail=0, select=0), **kw)
+        return _pallas(x, block_group, n_blocks, weights, cfg=dataclasses.replace(cfg, select=1), prev=first, **kw)
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as plgpu
 
-    prev = ()
-    if cfg.select == 1:
-        split_tail, prev = split_tail
     R, K = x.shape
     codes0 = weights[0][0]
     Os = tuple(int(c.shape[1]) for c, _ in weights)
@@ -796,11 +802,14 @@ def grouped_qmatmul_fused(x, block_group, n_blocks, weights, *, bm: int, out_dty
     kernel tiles run on each weight's tiles; only the split-K choice, and so the fp32 summation
     order, may differ). The launch is one grid over all weights' output tiles: small GEMVs
     stream together instead of paying each kernel's ramp-up and tail. ``split_tail`` ``[R // bm]``
-    int32 (optional; blocks of a tail tile, e.g. 160 = 128 + 32): 0 marks a block whose rows past
-    the main tile are unused: those blocks run in a launch without the tail tile and their tail
+    int32 (optional, ``tail_selector``; blocks of a tail tile, e.g. 160 = 128 + 32): 0 marks a
+    block whose rows past the main tile are unused: those blocks run in a launch without the tail tile and their tail
     rows are left unwritten; the others follow in a second launch (the XLA route computes all)."""
     weights, out_dtype, mult, impl, cfg = _prepare(x, block_group, weights, bm=bm, out_dtype=out_dtype, mult=mult,
                                                    impl=impl, mode=mode, tiles=tiles)
+    if split_tail is not None and jnp.shape(split_tail) != block_group.shape:
+        raise ValueError(f"grouped_qmatmul_fused: split_tail {jnp.shape(split_tail)} for {block_group.shape[0]} "
+                         "row blocks (tail_selector)")
     if impl == "xla":
         return _reference_all(x, block_group, n_blocks, weights, bm, out_dtype, mult)
     return _pallas(x, block_group, n_blocks, weights, bm=bm, out_dtype=out_dtype, mult=mult, cfg=cfg,

@@ -342,8 +342,8 @@ class MoE(nnx.Module):
         ``routed_pallas_with_shared`` allows it): the shared expert's projections run in the same
         launches (``grouped_qmatmul_multi``) and its output is added."""
         from dsv41_jax.kernels import fused_launches, grouped_qmatmul_fused, grouped_qmatmul_multi
-        from dsv41_jax.kernels.moe_glu import block_extent, glu_kernel, moe_glu
-        from dsv41_jax.kernels.qmatmul import row_tiles
+        from dsv41_jax.kernels.moe_glu import glu_kernel, moe_glu
+        from dsv41_jax.kernels.qmatmul import tail_selector
 
         dt = self.numerics.dtype
         ex = self.experts
@@ -383,13 +383,13 @@ class MoE(nnx.Module):
         sel = None
         if c >= GLU_MIN_ROWS and glu_kernel():  # rows gathered, w1 + w3, SwiGLU (and w2's act quant) in one launch
             row_token, ws, row_of_pair, NC, blocks, n_used = self._rows(w, ids, c)
+            tails = tail_selector(row_token, c) if split != "0" else None
             h = moe_glu(xa.astype(cd), row_token, ws, blocks, n_used,
                         kernel_weight(ex.w1), kernel_weight(ex.w3),
-                        bm=c, limit=self.limit, out_dtype=dt, act_quant=self._quantizes(),
-                        **({"split_tail": True} if split != "0" else {}))
+                        bm=c, limit=self.limit, out_dtype=dt, act_quant=self._quantizes(), split_tail=tails)
             ha, cd2 = self._aq(h, xq=h)  # (already quantized: only the dtype)
             if split == "both":  # w2 skips the tail tiles moe_glu left unwritten
-                sel = (block_extent(row_token, c) > row_tiles(c)[0]).astype(jnp.int32)
+                sel = tails
         else:
             xs, ws, row_of_pair, NC, blocks, n_used = self._dispatch(xa, w, ids, c, cd)
             (g, u), _ = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
