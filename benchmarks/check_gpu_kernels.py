@@ -16,6 +16,7 @@ fp8 act-quant (``kernels.norm_quant``) against its jnp form; and the decode mHC 
 
     python3 benchmarks/check_gpu_kernels.py
     python3 benchmarks/check_gpu_kernels.py split_tail   # only the split-tail launches (run 28)
+    python3 benchmarks/check_gpu_kernels.py gemm_out     # only the bf16-result GEMMs (run 29)
 """
 from __future__ import annotations
 
@@ -298,11 +299,45 @@ def check_split_tail(key):
          bits_equal_to_one_launch=bool(jnp.array_equal(split[written], one[written])))
 
 
+def check_gemm_out(key):
+    """``layers.matmul``'s bf16-result GEMM (``DSV41_GEMM_BF16_OUT``) against the fp32 result
+    rounded by a second pass, bit for bit, at the shapes of the V4.1-Flash Linears (out, in) and
+    the row counts of a prefill and of decode steps; bf16 operands holding fp8-quantized inputs
+    and dequantized fp8 weights, as in reference numerics."""
+    from dsv41_jax.quant import act_quant_fp8
+
+    shapes = [(1280, 5120), (512, 5120), (32768, 1280), (36864, 1280), (4096, 1280), (5120, 8192), (2304, 5120),
+              (4608, 5120), (5120, 2304), (1024, 5120)]
+    one = jax.jit(lambda a, b: jnp.einsum("ti,oi->to", a, b, preferred_element_type=jnp.bfloat16))
+    two = jax.jit(lambda a, b: jnp.einsum("ti,oi->to", a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    for n, (O, K) in enumerate(shapes):
+        kw, kx = jax.random.split(jax.random.fold_in(key, n))
+        w = act_quant_fp8(jax.random.normal(kw, (O, K), jnp.float32) * 0.02, 32).astype(jnp.bfloat16)
+        for T in (8192, 2048, 64, 1):
+            x = act_quant_fp8(jax.random.normal(jax.random.fold_in(kx, T), (T, K), jnp.float32), 32).astype(jnp.bfloat16)
+            a, b = one(x, w), two(x, w)
+            emit(check="gemm_bf16_out", out=O, inp=K, rows=T, bits_equal=bool(jnp.array_equal(a, b)),
+                 equal_frac=float(jnp.mean(a == b)), rel_err=rel(a, b))
+    # the grouped wo_a einsum (8 groups of 4096 inputs -> 1024) at prefill row counts
+    g1 = jax.jit(lambda a, b: jnp.einsum("tgd,grd->tgr", a, b, preferred_element_type=jnp.bfloat16))
+    g2 = jax.jit(lambda a, b: jnp.einsum("tgd,grd->tgr", a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    w = act_quant_fp8(jax.random.normal(key, (8, 1024, 4096), jnp.float32) * 0.02, 32).astype(jnp.bfloat16)
+    for T in (8192, 2048):
+        o = jax.random.normal(jax.random.fold_in(key, T), (T, 8, 4096), jnp.float32).astype(jnp.bfloat16)
+        a, b = g1(o, w), g2(o, w)
+        emit(check="gemm_bf16_out", out="8x1024", inp=4096, rows=T, bits_equal=bool(jnp.array_equal(a, b)),
+             equal_frac=float(jnp.mean(a == b)), rel_err=rel(a, b))
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["split_tail"]:
         check_split_tail(jax.random.key(9))
         sys.exit(0)
+    if sys.argv[1:] == ["gemm_out"]:
+        check_gemm_out(jax.random.key(10))
+        sys.exit(0)
     main()
+    check_gemm_out(jax.random.key(10))
     check_split_tail(jax.random.key(9))
     check_indexer(jax.random.key(3))
     check_mhc_mix(jax.random.key(4))

@@ -490,3 +490,50 @@ if __name__ == "__main__":
     import sys
 
     _child(sys.argv[1])
+
+
+def test_gemm_bf16_out_option(monkeypatch):
+    """``DSV41_GEMM_BF16_OUT``: ``matmul`` / ``einsum_rounded`` with a bf16 result either let the
+    GEMM write bf16 (one dot with a bf16 result) or round an fp32 result in a second pass; both
+    give the fp32 sums rounded once (bit for bit on XLA:CPU), fp32 results never take the bf16
+    form, and a bad value is one clear error."""
+    from dsv41_jax.model.layers import einsum_rounded, gemm_bf16_out, matmul
+
+    kx, kw = jax.random.split(jax.random.key(3))
+    x = quant.act_quant_fp8(jax.random.normal(kx, (2, 24, 256)), 32).astype(jnp.bfloat16)
+    w = quant.act_quant_fp8(jax.random.normal(kw, (96, 256)) * 0.02, 32).astype(jnp.bfloat16)
+    want = jnp.einsum("bsi,oi->bso", x.astype(jnp.float32), w.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST).astype(jnp.bfloat16)
+    got, prims = {}, {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("DSV41_GEMM_BF16_OUT", mode)
+        f = functools.partial(matmul, out_dtype=jnp.bfloat16, compute_dtype=jnp.float32)
+        got[mode] = jax.jit(f)(x, w)
+        prims[mode] = jax.make_jaxpr(f)(x, w).eqns[-1].primitive.name
+        assert got[mode].dtype == jnp.bfloat16
+        g = einsum_rounded("bsi,oi->bso", x, w, jnp.float32)  # fp32 results: always the fp32 GEMM
+        assert g.dtype == jnp.float32
+    assert prims == {"0": "convert_element_type", "1": "dot_general"}
+    np.testing.assert_array_equal(np.asarray(got["1"], np.float32), np.asarray(got["0"], np.float32))
+    # the fp32 sums of exact products: within one bf16 rounding of the fp32-operand product
+    np.testing.assert_allclose(np.asarray(got["1"], np.float32), np.asarray(want, np.float32), rtol=2 ** -7, atol=1e-6)
+    monkeypatch.setenv("DSV41_GEMM_BF16_OUT", "auto")
+    assert gemm_bf16_out() == (jax.default_backend() == "gpu")
+    monkeypatch.setenv("DSV41_GEMM_BF16_OUT", "yes")
+    with pytest.raises(ValueError, match="DSV41_GEMM_BF16_OUT"):
+        gemm_bf16_out()
+
+
+def test_gemm_bf16_out_in_the_model(pairs, monkeypatch):
+    """The fp8-stored tiny model's bf16 prefill logits with the bf16-result GEMMs (``matmul`` and
+    the grouped ``wo_a`` einsum) equal those of the fp32 results rounded by a second pass (XLA:CPU;
+    the GPU check is ``check_gpu_kernels.py gemm_out``)."""
+    from dsv41_jax.generate import forward_chunk
+
+    _, b = _pair(pairs, Numerics("bfloat16", "reference"))
+    ids = jnp.asarray(np.random.default_rng(2).integers(3, 240, (1, 9)), jnp.int32)
+    out = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("DSV41_GEMM_BF16_OUT", mode)
+        out[mode], _ = forward_chunk(b, ids, b.init_cache(1, 16), jit=False)  # traced afresh: the flag is read
+    np.testing.assert_array_equal(np.asarray(out["1"]), np.asarray(out["0"]))

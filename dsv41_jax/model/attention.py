@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import LayerPlan, TextConfig
-from dsv41_jax.model.layers import (Linear, RMSNorm, einsum, fusable_linears, fused_linears, top_k_indices_ascending,
+from dsv41_jax.model.layers import (Linear, RMSNorm, einsum, einsum_rounded, fusable_linears, fused_linears, top_k_indices_ascending,
                                    top_k_mask)
 from dsv41_jax.model.rope import layer_inv_freq, rope_tail
 from dsv41_jax.numerics import Numerics
@@ -407,7 +407,7 @@ class Attention(nnx.Module):
                                 self.wo_a.scale[...].reshape(G, self.o_rank, K // 32), bm=T, out_dtype=dt)
             return jnp.swapaxes(y.reshape(G, T, self.o_rank), 0, 1).reshape(B, S, G, self.o_rank)
         wo_a = self.wo_a.values().reshape(G, self.o_rank, -1)  # fp8 storage: dequantized exactly
-        return einsum("bsgd,grd->bsgr", o, wo_a.astype(dt), preferred_element_type=F32).astype(dt)
+        return einsum_rounded("bsgd,grd->bsgr", o.astype(dt), wo_a.astype(dt), dt)
 
     def wants_xq(self) -> bool:
         """Whether the input projections take an fp8-quantized input (``Linear``'s ``xq``)."""

@@ -32,10 +32,32 @@ def matmul(x, w, out_dtype, compute_dtype=None):
     if cd == F32 and x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16:
         # an fp32 GEMM of bf16-valued operands: the products are exact in fp32 either way, so
         # skip materialising fp32 copies (e.g. of the 1.3 GB head) and accumulate in fp32
-        y = einsum("...i,oi->...o", x, w, preferred_element_type=F32)
-        return y.astype(out_dtype)
+        return einsum_rounded("...i,oi->...o", x, w, out_dtype)
     y = einsum("...i,oi->...o", x.astype(cd), w.astype(cd), preferred_element_type=F32)
     return y.astype(out_dtype)
+
+
+def einsum_rounded(spec, a, b, out_dtype):
+    """``einsum`` with fp32 accumulation and one rounding of the sums to ``out_dtype``. For bf16
+    operands and a bf16 result on the GPU (``gemm_bf16_out``) the GEMM rounds in its epilogue and
+    writes bf16; otherwise an fp32 result is rounded by a second pass (the same values)."""
+    if (a.dtype == b.dtype == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16 and gemm_bf16_out()):
+        return einsum(spec, a, b, preferred_element_type=jnp.bfloat16)
+    return einsum(spec, a, b, preferred_element_type=F32).astype(out_dtype)
+
+
+def gemm_bf16_out() -> bool:
+    """Whether ``einsum_rounded``'s (``matmul``'s) fp32-accumulated GEMMs of bf16 operands with a bf16 result let the GEMM
+    write bf16 (its fp32 sums rounded once, in its epilogue) instead of an fp32 result that a
+    second pass rounds (``DSV41_GEMM_BF16_OUT``: ``auto``, the default, = on the GPU, where
+    cuBLAS and XLA's Triton GEMMs accumulate bf16 products in fp32 and round once, checked bit for
+    bit at the model's prefill shapes by ``benchmarks/check_gpu_kernels.py gemm_out``; ``1`` /
+    ``0`` force it). Off the GPU the fp32 result stays (the CPU tests' exact path). Read at trace
+    time."""
+    mode = os.environ.get("DSV41_GEMM_BF16_OUT", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"DSV41_GEMM_BF16_OUT={mode!r}: use auto, 1 or 0")
+    return mode == "1" or (mode == "auto" and jax.default_backend() == "gpu")
 
 
 FP8_GROUP = 32  # inputs per ue8m0 scale byte in the fp8 storage mode (V4.1's 32x32 blocks)
