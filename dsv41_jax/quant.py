@@ -288,6 +288,34 @@ def _fq_pow2_scaled(xb, amax, kind: str, xp, rint=None):
     return q * _pow2(k, xp)
 
 
+def fq_fp8_blocks_cast(xb, amax):
+    """``_fq_pow2_scaled(xb, amax, "fp8", jnp)`` with the e4m3 rounding done by a dtype
+    conversion: the scaled block, clipped into the e4m3 range, is cast to float8_e4m3fn (round to
+    nearest even: XLA's conversion, or one ``cvt.rn.satfinite`` per two values in a Triton kernel)
+    and back. The same values; far fewer instructions than the arithmetic rounding, which is what
+    the kernels' epilogues use it for (``kernel_fp8_round``)."""
+    amax = jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR))
+    k = _pow2ceil_exp(amax * jnp.float32(INV_E4M3_MAX), jnp)
+    v = jnp.clip(xb * _pow2(-k, jnp), -E4M3_MAX, E4M3_MAX)
+    return v.astype(jnp.float8_e4m3fn).astype(F32) * _pow2(k, jnp)
+
+
+def kernel_fp8_round():
+    """How the Pallas kernels' fused fp8 activation quantizations (``moe_glu``'s epilogue,
+    ``norm_quant``) round to e4m3, as a function ``(blocks fp32 [..., 32], amax [..., 1]) ->
+    values``: ``DSV41_KERNEL_FP8_ROUND`` = ``cast`` (default: :func:`fq_fp8_blocks_cast`) or
+    ``arith`` (``_fq_pow2_scaled`` with :func:`rint_even`, the session-17 form; A/B runs). Both
+    give the values of ``act_quant_fp8``. Read at trace time."""
+    import os
+
+    mode = os.environ.get("DSV41_KERNEL_FP8_ROUND", "cast")
+    if mode not in ("cast", "arith"):
+        raise ValueError(f"DSV41_KERNEL_FP8_ROUND={mode!r}: use cast or arith")
+    if mode == "cast":
+        return fq_fp8_blocks_cast
+    return lambda xb, amax: _fq_pow2_scaled(xb, amax, "fp8", jnp, rint=rint_even)
+
+
 @functools.partial(jax.jit, static_argnames=("block",))
 def fq_fp8(x: jax.Array, block: int = 32) -> jax.Array:
     """fp8 e4m3 fake quant with a ue8m0 scale per ``block`` along the last axis (window-KV QDQ).

@@ -90,6 +90,32 @@ def test_e4m3_rne_boundaries():
     np.testing.assert_array_equal(Q.e4m3_rne(t, np), np.array([1.0, 1.25, 0.0, 2.0**-8, 448, 256], F32))
 
 
+def test_fp8_blocks_cast_equals_the_arithmetic_rounding(monkeypatch):
+    """``fq_fp8_blocks_cast`` (the kernels' e4m3 rounding by a dtype conversion) gives the bits of
+    ``act_quant_fp8`` and of ``_fq_pow2_scaled`` with ``rint_even``: every e4m3 value, the
+    midpoints between neighbours and their fp32 neighbours, at block scales from 2^-120 to 2^100,
+    signed zeros, blocks of zeros and of fp32 subnormals; ``kernel_fp8_round`` picks the form."""
+    mids = (E4M3_POS[:-1] + E4M3_POS[1:]) / 2
+    grid = np.concatenate([E4M3_POS, mids, _up(mids), _down(mids)])
+    grid = np.concatenate([grid, -grid, [-0.0]]).astype(F32)
+    pad = -grid.size % 32
+    base = np.concatenate([grid, np.zeros(pad, F32)]).reshape(-1, 32)
+    blocks = [base * F32(2.0 ** e) for e in (-120, -60, -9, 0, 7, 100)]
+    blocks += [np.zeros((1, 32), F32), np.full((1, 32), 1e-40, F32)]
+    xb = jnp.asarray(np.concatenate(blocks))
+    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
+    got = np.asarray(jax.jit(Q.fq_fp8_blocks_cast)(xb, amax))
+    assert _same_bits(got, np.asarray(Q._fq_pow2_scaled(xb, amax, "fp8", jnp, rint=Q.rint_even)))
+    assert _same_bits(got, np.asarray(Q.act_quant_fp8(xb.reshape(-1), 32)).reshape(got.shape))
+    monkeypatch.setenv("DSV41_KERNEL_FP8_ROUND", "arith")
+    assert _same_bits(np.asarray(Q.kernel_fp8_round()(xb, amax)), got)
+    monkeypatch.setenv("DSV41_KERNEL_FP8_ROUND", "cast")
+    assert Q.kernel_fp8_round() is Q.fq_fp8_blocks_cast
+    monkeypatch.setenv("DSV41_KERNEL_FP8_ROUND", "fast")
+    with pytest.raises(ValueError, match="DSV41_KERNEL_FP8_ROUND"):
+        Q.kernel_fp8_round()
+
+
 def test_e2m1_rne_every_tie():
     for tie, want in E2M1_TIES.items():
         lo = F32(max(g for g in Q.FP4_GRID if g < tie))

@@ -80,7 +80,7 @@ def moe_glu_reference(x, row_token, row_weight, block_group, n_blocks, w1, w3, *
 
 def _kernel(nb_ref, sel_ref, bg_ref, tok_ref, rw_ref, x_ref, *refs, bm: int, tm: int, tail: int, bo: int, bk: int,
             I: int, K: int, scaled: bool, mult: float, limit: float, gathered: bool, act_quant: bool, cd, out_dtype,
-            want: int = -1):
+            fp8_round=None, want: int = -1):
     from jax.experimental import pallas as pl
 
     from dsv41_jax.model.moe import swiglu
@@ -142,7 +142,7 @@ def _kernel(nb_ref, sel_ref, bg_ref, tok_ref, rw_ref, x_ref, *refs, bm: int, tm:
             if act_quant:  # the fp8 activation quantization of the rounded h, per 32 columns
                 hb = h.astype(out_dtype).astype(F32).reshape(n, bo // QBLOCK, QBLOCK)
                 amax = jnp.max(jnp.abs(hb), axis=-1, keepdims=True)
-                h = quant._fq_pow2_scaled(hb, amax, "fp8", jnp, rint=quant.rint_even).reshape(n, bo)
+                h = fp8_round(hb, amax).reshape(n, bo)
             _store(h_ref.at[pl.ds(j * bm + off, n), pl.ds(o0, bo)], h.astype(out_dtype),
                    inb[p][:, None] & (cols[None, :] < I))
 
@@ -217,6 +217,7 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
     def launch(want, prev=None):
         kern = functools.partial(_kernel, bm=bm, tm=tm, tail=tail, bo=bo, bk=bk, I=I, K=K, scaled=scaled, mult=mult,
                                  limit=float(limit), gathered=gathered, act_quant=act_quant, cd=x.dtype,
+                                 fp8_round=quant.kernel_fp8_round() if act_quant else None,
                                  out_dtype=out_dtype, want=want)
         extra = {} if prev is None else dict(input_output_aliases={len(ins): 0})
         return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((R, I), out_dtype), grid=(pl.cdiv(I, bo), nb),

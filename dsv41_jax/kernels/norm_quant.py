@@ -17,8 +17,9 @@ are nine of those chains per three layers. A program owns one row: it loads the 
 ``[D/32, 32]`` blocks (rows padded to a power of two and masked), keeps it in registers, and
 stores both results.
 
-Numerics: the quantization is ``quant._fq_pow2_scaled`` itself (the round-half-even through
-``quant.rint_even``), so equal inputs give equal codes. Only the fp32 sums (the statistic, the
+Numerics: the quantization forms ``quant.act_quant_fp8``'s values (``quant.kernel_fp8_round``:
+the e4m3 rounding by the dtype conversion, or ``quant._fq_pow2_scaled`` with ``quant.rint_even``),
+so equal inputs give equal codes. Only the fp32 sums (the statistic, the
 collapse's n terms) may run in another order than XLA's; on the interpreter (CPU tests) the
 results match the jnp formulation to the last bf16 bit but for rare rounding-boundary rows.
 
@@ -82,7 +83,7 @@ def row(t, refs, *, n: int, nb: int, nbp: int, D: int, eps: float, hc: bool, qua
     if quantize:
         xb = xn.astype(F32)
         amax = jnp.max(jnp.abs(xb), axis=1, keepdims=True)
-        xq = quant._fq_pow2_scaled(xb, amax, "fp8", jnp, rint=quant.rint_even)
+        xq = quant.kernel_fp8_round()(xb, amax)
         plgpu.store(outs[1].at[t, blocks, :], xq.astype(outs[1].dtype), mask=mask)
 
 
