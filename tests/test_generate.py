@@ -305,3 +305,33 @@ def test_split_once_per_model_and_weights_read_per_call(model, prompts, greedy):
     assert G.generate(model, prompts, max_new_tokens=NEW, stop_ids=(), buckets=BK).tokens == greedy.tokens
     G.forget(model)
     assert G._split_flat(model)[0] is not fg1 and G._split_flat(model)[0] == fg1
+
+
+def test_query_rope_in_place_prefill_only(model, prompts, monkeypatch):
+    """``DSV41_ROPE_Q_IN_PLACE``: a prefill chunk's queries get their RoPE tail written back in
+    place (one more ``dynamic_update_slice`` per attention layer in the traced forward) with the
+    logits of the concatenation, bit for bit; one-token decode steps keep the concatenation (the
+    in-place form there broke ``test_greedy_matches_full_forward_loop`` on XLA:CPU, session 19)."""
+    ids = np.zeros((3, 16), np.int32)
+    valid = np.zeros((3, 16), bool)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)], valid[i, :len(p)] = p, True
+
+    def run(n):
+        return G.forward_chunk(model, ids[:, :n], model.init_cache(3, 16), valid=jnp.asarray(valid[:, :n]), jit=False)
+
+    def dus_count(n):
+        jaxpr = jax.make_jaxpr(lambda: run(n))()
+        return str(jaxpr).count("dynamic_update_slice")
+
+    out, count = {}, {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("DSV41_ROPE_Q_IN_PLACE", mode)
+        out[mode] = np.asarray(run(16)[0])
+        count[mode] = (dus_count(16), dus_count(1))
+    np.testing.assert_array_equal(out["1"], out["0"])
+    assert count["1"][0] - count["0"][0] == len(model.layers)  # prefill: one per attention layer
+    assert count["1"][1] == count["0"][1]  # decode: unchanged
+    monkeypatch.setenv("DSV41_ROPE_Q_IN_PLACE", "2")
+    with pytest.raises(ValueError, match="DSV41_ROPE_Q_IN_PLACE"):
+        run(16)

@@ -28,13 +28,17 @@ F32 = jnp.float32
 NEG_INF = -jnp.inf
 
 
-def rope_out_in_place() -> bool:
-    """``DSV41_ROPE_OUT_IN_PLACE`` (read at trace time; 1, the default, or 0): the attention
-    output's inverse RoPE written back into its tail (``rope_tail(in_place=True)``: the same bits)
-    instead of a concatenation that copies all of ``o``; prefill 8k 83.9 -> 83.3 ms (run 28)."""
-    mode = os.environ.get("DSV41_ROPE_OUT_IN_PLACE", "1")
+def rope_in_place(site: str) -> bool:
+    """Whether the RoPE of ``site`` writes its rotated tail back into the array
+    (``rope_tail(in_place=True)``: the same bits) instead of a concatenation that copies all of
+    it: ``"out"``, the attention output's inverse rotation (``DSV41_ROPE_OUT_IN_PLACE``; prefill 8k
+    83.9 -> 83.3 ms, run 28), ``"q"``, the queries where they are their own GEMM's output, not a
+    slice of a fused launch's (``DSV41_ROPE_Q_IN_PLACE``; see ``rope_tail``). 1 (the default) or
+    0; read at trace time."""
+    var = {"out": "DSV41_ROPE_OUT_IN_PLACE", "q": "DSV41_ROPE_Q_IN_PLACE"}[site]
+    mode = os.environ.get(var, "1")
     if mode not in ("0", "1"):
-        raise ValueError(f"DSV41_ROPE_OUT_IN_PLACE={mode!r}: use 0 or 1")
+        raise ValueError(f"{var}={mode!r}: use 0 or 1")
     return mode == "1"
 
 
@@ -428,12 +432,13 @@ class Attention(nnx.Module):
         idx_q = self.plan.ratio > 0 and self.plan.owns_indexer
         qmods = (self.wq_b, self.indexer.wq_b) if idx_q else (self.wq_b,)
         qr, qrq = self.q_norm.with_quant(qa, self.numerics.fake_quant and any(m.quantized for m in qmods))
-        if idx_q and fusable_linears(qr, qmods):
+        fused_q = idx_q and fusable_linears(qr, qmods)
+        if fused_q:
             q, iq = fused_linears(qr, qmods, xq=qrq)
         else:
             q = self.wq_b(qr, xq=qrq)
         q = q.reshape(B, S, H, d)
-        q = rope_tail(q, pos[..., None], freqs)
+        q = rope_tail(q, pos[..., None], freqs, in_place=rope_in_place("q") and not fused_q and S > 1)
         kv = self.kv_norm(kv)
         kv = rope_tail(kv, pos, freqs)
         if self.numerics.fake_quant:
@@ -461,7 +466,7 @@ class Attention(nnx.Module):
                 ctx = self._select(x, qr, pos, ctx, capture, iq)
             kc, kc_ok = ctx["cmp_kv"], ctx["topk"]
         o = self._attend(q, pos, kw, kpos, kc, kc_ok)
-        o = rope_tail(o, pos[..., None], freqs, inverse=True, in_place=rope_out_in_place())
+        o = rope_tail(o, pos[..., None], freqs, inverse=True, in_place=rope_in_place("out"))
         o = self._grouped_out(o.reshape(B, S, self.n_groups, -1).astype(dt))
         out = self.wo_b(o.reshape(B, S, self.n_groups * self.o_rank))
 
