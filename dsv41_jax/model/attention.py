@@ -32,9 +32,10 @@ def rope_in_place(site: str) -> bool:
     """Whether the RoPE of ``site`` writes its rotated tail back into the array
     (``rope_tail(in_place=True)``: the same bits) instead of a concatenation that copies all of
     it: ``"out"``, the attention output's inverse rotation (``DSV41_ROPE_OUT_IN_PLACE``; prefill 8k
-    83.9 -> 83.3 ms, run 28), ``"q"``, the queries where they are their own GEMM's output, not a
-    slice of a fused launch's (``DSV41_ROPE_Q_IN_PLACE``; see ``rope_tail``). 1 (the default) or
-    0; read at trace time."""
+    83.9 -> 83.3 ms, run 28), ``"q"``, a prefill chunk's queries where they are their own GEMM's
+    output, not a slice of a fused launch's (``DSV41_ROPE_Q_IN_PLACE``; 79.1 -> 78.1 ms, run 29;
+    one-token steps keep the concatenation: ``rope_tail``,
+    ``benchmarks/repro_xla_cpu_inplace_dus.py``). 1 (the default) or 0; read at trace time."""
     var = {"out": "DSV41_ROPE_OUT_IN_PLACE", "q": "DSV41_ROPE_Q_IN_PLACE"}[site]
     mode = os.environ.get(var, "1")
     if mode not in ("0", "1"):

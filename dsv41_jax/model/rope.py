@@ -46,9 +46,11 @@ def rope_tail(x, pos, freqs, inverse: bool = False, in_place: bool = False):
     x: [..., S, (heads,) d] with ``pos`` broadcastable to x.shape[:-1] after dropping the head
     axis; pass ``pos`` already shaped to x.shape[:-1]. ``in_place``: the rotated tail goes back
     with a ``dynamic_update_slice`` (XLA may then write only the tail into ``x``'s buffer) instead
-    of a concatenation (a copy of all of ``x``). Only for an ``x`` that is its own buffer: on
-    XLA:CPU (jax 0.10) the in-place forms corrupted decode results when ``x`` was one slice of a
-    fused projection's output (the queries and window KV after ``fused_linears``; session 18).
+    of a concatenation (a copy of all of ``x``). Not for a one-token ``x`` that is a GEMM's output
+    viewed with a size-1 axis and read by another dot: XLA:CPU (jax 0.10.2) then fuses the rotation
+    and the update in place on the GEMM's buffer and reads each pair partner after overwriting it
+    (``benchmarks/repro_xla_cpu_inplace_dus.py``); nor for one slice of a fused projection's output
+    (the queries and window KV after ``fused_linears``; session 18).
     """
     r = 2 * freqs.shape[-1]
     ang = pos.astype(jnp.float32)[..., None] * jnp.asarray(freqs, jnp.float32)
