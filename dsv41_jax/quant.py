@@ -35,6 +35,7 @@ write test checkpoints.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Sequence
 
 import jax
@@ -306,8 +307,6 @@ def kernel_fp8_round():
     values``: ``DSV41_KERNEL_FP8_ROUND`` = ``cast`` (default: :func:`fq_fp8_blocks_cast`) or
     ``arith`` (``_fq_pow2_scaled`` with :func:`rint_even`, the session-17 form; A/B runs). Both
     give the values of ``act_quant_fp8``. Read at trace time."""
-    import os
-
     mode = os.environ.get("DSV41_KERNEL_FP8_ROUND", "cast")
     if mode not in ("cast", "arith"):
         raise ValueError(f"DSV41_KERNEL_FP8_ROUND={mode!r}: use cast or arith")

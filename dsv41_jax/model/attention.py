@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsv41_jax.config import LayerPlan, TextConfig
-from dsv41_jax.model.layers import (Linear, RMSNorm, einsum, einsum_rounded, fusable_linears, fused_linears, top_k_indices_ascending,
-                                   top_k_mask)
+from dsv41_jax.model.layers import (Linear, RMSNorm, einsum, einsum_rounded, fusable_linears, fused_linears,
+                                   top_k_indices_ascending, top_k_mask)
 from dsv41_jax.model.rope import layer_inv_freq, rope_tail
 from dsv41_jax.numerics import Numerics
 from dsv41_jax import quant

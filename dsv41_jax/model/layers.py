@@ -41,15 +41,15 @@ def einsum_rounded(spec, a, b, out_dtype):
     """``einsum`` with fp32 accumulation and one rounding of the sums to ``out_dtype``. For bf16
     operands and a bf16 result on the GPU (``gemm_bf16_out``) the GEMM rounds in its epilogue and
     writes bf16; otherwise an fp32 result is rounded by a second pass (the same values)."""
-    if (a.dtype == b.dtype == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16 and gemm_bf16_out()):
+    if a.dtype == b.dtype == jnp.bfloat16 and jnp.dtype(out_dtype) == jnp.bfloat16 and gemm_bf16_out():
         return einsum(spec, a, b, preferred_element_type=jnp.bfloat16)
     return einsum(spec, a, b, preferred_element_type=F32).astype(out_dtype)
 
 
 def gemm_bf16_out() -> bool:
-    """Whether ``einsum_rounded``'s (``matmul``'s) fp32-accumulated GEMMs of bf16 operands with a bf16 result let the GEMM
-    write bf16 (its fp32 sums rounded once, in its epilogue) instead of an fp32 result that a
-    second pass rounds (``DSV41_GEMM_BF16_OUT``: ``auto``, the default, = on the GPU, where
+    """Whether ``einsum_rounded``'s (``matmul``'s) fp32-accumulated GEMMs of bf16 operands with a
+    bf16 result let the GEMM write bf16 (its fp32 sums rounded once, in its epilogue) instead of an
+    fp32 result that a second pass rounds (``DSV41_GEMM_BF16_OUT``: ``auto``, the default, = on the GPU, where
     cuBLAS and XLA's Triton GEMMs accumulate bf16 products in fp32 and round once, checked bit for
     bit at the model's prefill shapes by ``benchmarks/check_gpu_kernels.py gemm_out``; ``1`` /
     ``0`` force it). Off the GPU the fp32 result stays (the CPU tests' exact path). Read at trace
