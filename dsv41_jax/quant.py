@@ -277,7 +277,9 @@ def _fq_blocks(x, block: int, kind: str, xp):
 def _fq_pow2_scaled(xb, amax, kind: str, xp, rint=None):
     """The power-of-two-scale fake quant (``kind`` "fp8" or "fp4_e8") of fp32 blocks ``xb``
     [..., block] given each block's ``max(|xb|)`` ``amax`` [..., 1]: dequantized fp32 values.
-    Shared with the fused RMSNorm + act-quant kernel (``kernels.norm_quant``, ``rint``)."""
+    Shared with the kernels' fused act-quant (``kernel_fp8_round``): ``rint`` replaces the
+    round-half-even of the scaled magnitudes, or is ``"cast"`` (fp8 only): the clipped scaled
+    block cast to float8_e4m3fn and back, the same values."""
     if kind == "fp8":
         floor, inv, fmt, lim = FP8_AMAX_FLOOR, INV_E4M3_MAX, _E4M3_FMT, E4M3_MAX
     else:
@@ -285,7 +287,13 @@ def _fq_pow2_scaled(xb, amax, kind: str, xp, rint=None):
     amax = xp.maximum(amax, xp.float32(floor))
     k = _pow2ceil_exp(amax * xp.float32(inv), xp)
     # dividing by a power of two == multiplying by its exact inverse
-    q = _round_minifloat(xp.clip(xb * _pow2(-k, xp), -lim, lim), fmt, xp, rint)
+    v = xp.clip(xb * _pow2(-k, xp), -lim, lim)
+    if isinstance(rint, str):
+        if rint != "cast" or kind != "fp8" or xp is np:
+            raise ValueError(f"_fq_pow2_scaled: rint={rint!r} is for kind 'fp8' on jnp only")
+        q = v.astype(jnp.float8_e4m3fn).astype(F32)
+    else:
+        q = _round_minifloat(v, fmt, xp, rint)
     return q * _pow2(k, xp)
 
 
@@ -295,10 +303,7 @@ def fq_fp8_blocks_cast(xb, amax):
     nearest even: XLA's conversion, or one ``cvt.rn.satfinite`` per two values in a Triton kernel)
     and back. The same values; far fewer instructions than the arithmetic rounding, which is what
     the kernels' epilogues use it for (``kernel_fp8_round``)."""
-    amax = jnp.maximum(amax, jnp.float32(FP8_AMAX_FLOOR))
-    k = _pow2ceil_exp(amax * jnp.float32(INV_E4M3_MAX), jnp)
-    v = jnp.clip(xb * _pow2(-k, jnp), -E4M3_MAX, E4M3_MAX)
-    return v.astype(jnp.float8_e4m3fn).astype(F32) * _pow2(k, jnp)
+    return _fq_pow2_scaled(xb, amax, "fp8", jnp, rint="cast")
 
 
 def kernel_fp8_round():

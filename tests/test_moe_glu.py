@@ -89,6 +89,9 @@ def test_moe_glu_errors_and_lowering(monkeypatch):
             (SD((384, 2304, 5120), jnp.int8), SD((384, 2304, 160), jnp.uint8)),
             (SD((384, 2304, 5120), jnp.int8), SD((384, 2304, 160), jnp.uint8)))
     assert "moe_glu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    # with the act-quant epilogue (reference numerics), whose e4m3 rounding is a dtype conversion
+    fq = jax.jit(lambda *a: moe_glu(*a[:4], 300, *a[4:], bm=160, limit=10.0, impl="triton", act_quant=True))
+    assert "moe_glu" in fq.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("numerics", ["float32-fast", "bfloat16-reference"])
