@@ -32,6 +32,10 @@ over its tiles against the form it replaced (XLA's gather into the block layout,
 w1 + w3 launch, XLA's SwiGLU), also with the fp8 quantization of h (reference numerics) in the
 epilogue against ``MoE._aq``'s; error columns against the first row of each size and form.
 
+``--part mgpu``: the routed experts' GEMMs of an 8k prefill (160-row blocks) as the Mosaic GPU
+kernel ``kernels.moe_mgpu`` (tokens as columns) over its tilings, against the Triton launches on
+the same block layout; ``rel_err`` / ``equal_frac`` against the Triton result.
+
 ``--part topk``: the indexer's top-512 of a prefill chunk (8192 rows of 4096 or 8192 entries) and
 of a batch-64 decode step: ``kernels.topk.topk_select`` against XLA's ``lax.top_k`` + sort
 (``equal`` must hold: the selection is exact).
@@ -257,6 +261,65 @@ def part_glu(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304, limit
             emit(part="glu", tokens=T, chunk=c, tiles=str(tiles), error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
+# (projection, tiles or "triton"): the Mosaic GPU grouped GEMM (kernels.moe_mgpu, tokens as columns) per
+# tiling, against the Triton launches on the same block layout
+MGPU_VARIANTS = (("w1", "triton"), ("w1", {}), ("w1", dict(steps=3)), ("w1", dict(steps=5)), ("w1", dict(tile_k=128, steps=3)),
+                 ("w1", dict(tile_m=128, steps=3)), ("w1", dict(tile_m=128, tile_k=128, steps=2)),
+                 ("w2", "triton"), ("w2", {}), ("w2", dict(tile_k=128, steps=3)), ("w2", dict(tile_m=128, steps=3)))
+
+
+def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304):
+    """The routed experts' GEMMs of a prefill as ``kernels.moe_mgpu`` (Mosaic GPU: TMA, warp
+    specialization, wgmma with the dequantized weights from registers) over its tilings, against
+    the Triton launches (``grouped_qmatmul_fused``: w1 + w3 in one launch, w2) on the same layout.
+    FLOPs count the real pairs; the w1 row is one projection (w1 + w3: twice its time)."""
+    from dsv41_jax.kernels import moe_mgpu as MG
+    from dsv41_jax.model.moe import MoE
+
+    impl = "interpret" if IMPL == "interpret" else "mosaic"
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    w = {"w1": bq.make_int8(k1, E, Ii, D), "w3": bq.make_int8(k2, E, Ii, D), "w2": bq.make_int8(k3, E, D, Ii)}
+    ids = jax.random.randint(k4, (T, k), 0, E, dtype=jnp.int32)
+    _, _, NC, blocks, n_used = MoE._blocks(types.SimpleNamespace(n_experts=E), ids, c)
+    x = {"w1": jax.random.normal(k1, (NC * c, D), jnp.float32).astype(BF16),
+         "w2": jax.random.normal(k2, (NC * c, Ii), jnp.float32).astype(BF16)}
+    live = int(n_used) * c
+    ref = {}
+    for proj, tiles in MGPU_VARIANTS:
+        try:
+            O, K = w[proj][0].shape[1:]
+            if tiles == "triton":
+                ws = [w["w1"], w["w3"]] if proj == "w1" else [w["w2"]]
+
+                def fn(i, s, a, blocks, n_used, ws=ws):
+                    return Q.grouped_qmatmul_fused(a + s.astype(BF16), blocks, n_used, ws, bm=c, out_dtype=BF16,
+                                                   impl=IMPL)[0][:, :8]
+                t, comp = bq.timeit(fn, x[proj], blocks, n_used, reps=3)
+                ref[proj] = Q.grouped_qmatmul_fused(x[proj], blocks, n_used, ws[:1], bm=c, out_dtype=BF16, impl=IMPL)[0]
+                n_proj = len(ws)
+                extra = {}
+            else:
+                tl = MG.Tiles(**tiles)
+                xt = x[proj].T
+
+                def fn(i, s, a, blocks, n_used, tl=tl):
+                    return MG.grouped_matmul_t(a + s.astype(BF16), blocks, n_used, *w[proj], bm=c, impl=impl,
+                                               tiles=tl)[:8]
+                # (the Mosaic GPU interpreter hangs inside the timing loop: the smoke run only checks values)
+                t, comp = bq.timeit(fn, xt, blocks, n_used, reps=3) if impl == "mosaic" else (float("nan"), 0.0)
+                got = MG.grouped_matmul_t(xt, blocks, n_used, *w[proj], bm=c, impl=impl, tiles=tl).T
+                extra = {}
+                if proj in ref:
+                    a, b = got[:live], ref[proj][:live]
+                    extra = dict(rel_err=bq.rel_err(a, b), equal_frac=round(float(jnp.mean((a == b).astype(jnp.float32))), 5))
+                n_proj = 1
+            flops = 2.0 * T * k * O * K * n_proj
+            emit(part="mgpu", tokens=T, chunk=c, proj=proj if n_proj == 1 else "w1+w3", tiles=tiles,
+                 ms=round(t * 1e3, 3), TFLOPs=round(flops / t / 1e12, 1), compile_s=round(comp, 1), **extra)
+        except Exception as e:  # noqa: BLE001
+            emit(part="mgpu", tokens=T, chunk=c, proj=proj, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
 # (rows, entries, k, form): the indexer's selection of a prefill chunk (8k tokens: 4096 ratio-2
 # entries, 8192 ratio-1 entries) and of a batch-64 decode step
 TOPK_VARIANTS = ((8192, 4096, 512, "xla"), (8192, 4096, 512, {}), (8192, 4096, 512, dict(num_warps=4)),
@@ -392,15 +455,16 @@ def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: in
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="indexer,moe",
-                    help="indexer, moe, moedq, mhc, attn, glu, topk (comma-separated)")
+                    help="indexer, moe, moedq, mhc, attn, glu, topk, mgpu (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
     key = jax.random.key(0)
     parts = {"indexer": part_indexer, "moe": part_moe, "moedq": part_moedq, "mhc": part_mhc, "attn": part_attn,
-             "glu": part_glu, "topk": part_topk}
+             "glu": part_glu, "topk": part_topk, "mgpu": part_mgpu}
     if a.smoke:
         global IMPL, INDEXER_TILES, MOE_VARIANTS, MHC_TILES, MOEDQ_VARIANTS, ATTN_TILES, GLU_VARIANTS, TOPK_VARIANTS
+        global MGPU_VARIANTS
         IMPL, INDEXER_TILES = "interpret", ({}, dict(bq=16, bt=32))
         MHC_TILES = ({}, dict(bt=16, bk=64))
         ATTN_TILES = (dict(hb=16, bk=16, dv=32), dict(hb=16, bk=16, dv=32, max_bk=32), dict(hb=16, bk=16, online=True))
@@ -409,13 +473,15 @@ def main():
         GLU_VARIANTS = ((32, 16, "xla-path"), (32, 16, {}), (32, 24, dict(bo=16)), (32, 16, "xla-path+act_quant"),
                         (32, 16, dict(act_quant=True)), (32, 48, dict(split_tail=True)))
         TOPK_VARIANTS = ((16, 100, 20, "xla"), (16, 100, 20, {}))
+        MGPU_VARIANTS = (("w1", "triton"), ("w1", {}), ("w2", "triton"), ("w2", dict(tile_k=128, steps=2)))
         parts = {"indexer": lambda k: part_indexer(k, S=64, H=2, hd=32, block=16),
                  "moe": lambda k: part_moe(k, k=2, E=4, D=64, Ii=32),
                  "moedq": lambda k: part_moedq(k, T=32, c=24, k=2, E=4, D=64, Ii=32),
                  "mhc": lambda k: part_mhc(k, S=160, K=512),
                  "attn": lambda k: part_attn(k, S=40, H=16, d=64, W=8, K=16, block=8),
                  "glu": lambda k: part_glu(k, k=2, E=4, D=64, Ii=32),
-                 "topk": part_topk}
+                 "topk": part_topk,
+                 "mgpu": lambda k: part_mgpu(k, T=48, c=32, k=2, E=4, D=256, Ii=128)}
     for part in a.part.split(","):
         parts[part](key)
 

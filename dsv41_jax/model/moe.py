@@ -379,6 +379,9 @@ class MoE(nnx.Module):
         if with_shared:
             raise ValueError("routed_pallas: with_shared is for decode (fewer pairs than experts)")
         c = pallas_chunk(N, self.n_experts)
+        mgpu = self._mgpu_mode(c, cd)
+        if mgpu == "mgpu":
+            return self.routed_mgpu(xa.astype(cd), w, ids, c)
         split = split_tail()
         sel = None
         if c >= GLU_MIN_ROWS and glu_kernel():  # rows gathered, w1 + w3, SwiGLU (and w2's act quant) in one launch
@@ -395,10 +398,57 @@ class MoE(nnx.Module):
             (g, u), _ = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
             h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
             ha, cd2 = self._aq(h)
+        if mgpu == "mgpu-w2":  # the Mosaic GPU w2 on h's transpose (its unwritten rows stay in their own columns)
+            return self._mgpu_w2(ha.astype(cd2).T, blocks, n_used, row_of_pair, c, T, k)
         # combine_pairs reads the rows of pairs only: unused blocks (and split-off tail rows) of y
         # stay unwritten
         (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c, dead_zeros=False, split_tail=sel)
         return combine_pairs(y, row_of_pair, T, k)
+
+    def _mgpu_mode(self, c: int, cd) -> str | None:
+        """``DSV41_MOE_PREFILL`` for a prefill with ``c``-row expert blocks (``GLU_MIN_ROWS`` and more):
+        "mgpu" (``routed_mgpu``), "mgpu-w2" (``kernels.moe_glu``, then the Mosaic GPU w2) or None
+        (the Triton launches: the default, and wherever the Mosaic GPU kernel does not take the
+        shapes: int8 experts and bf16 only, ``kernels.moe_mgpu.applies``)."""
+        from dsv41_jax.kernels import moe_mgpu
+        from dsv41_jax.kernels.moe_glu import glu_kernel
+
+        mode = moe_mgpu.prefill_mode()
+        if mode == "triton" or c < GLU_MIN_ROWS or not self.experts.w1.int8:
+            return None
+        ex = self.experts
+        t = moe_mgpu.env_tiles()
+        ps = (ex.w1, ex.w3, ex.w2) if mode == "mgpu" else (ex.w2,)
+        fits = all(moe_mgpu.applies(p.weight.shape[1], p.weight.shape[2], c, p.weight.dtype, cd, t) is None
+                   for p in ps)
+        return mode if fits and (mode == "mgpu" or glu_kernel()) else None
+
+    def _mgpu_w2(self, ht, blocks, n_used, row_of_pair, c: int, T: int, k: int):
+        """w2 on the transposed block layout ``ht`` [I, rows] (``kernels.moe_mgpu``), then each
+        token's k expert outputs summed in fp32, slot order: [T, D]."""
+        from dsv41_jax.kernels.moe_mgpu import grouped_matmul_t
+
+        y = grouped_matmul_t(ht, blocks, n_used, *kernel_weight(self.experts.w2), bm=c, out_dtype=self.numerics.dtype)
+        return jnp.sum(jnp.take(y, row_of_pair, axis=1).reshape(-1, T, k).astype(F32), axis=2).T
+
+    def routed_mgpu(self, xa, w, ids, c: int):
+        """A prefill's routed experts through ``kernels.moe_mgpu`` (Mosaic GPU, ``DSV41_MOE_PREFILL=mgpu``):
+        ``routed_grouped``'s block layout kept transposed (tokens as columns) from the gather of the
+        rows to the combine: w1 and w3 launches, XLA's SwiGLU (and the fp8 quantization of h),
+        the w2 launch. Same rounding points as ``routed_dense``. ``xa``: the GEMM input (``_aq``)."""
+        from dsv41_jax.kernels.moe_glu import gather_rows
+        from dsv41_jax.kernels.moe_mgpu import grouped_matmul_t
+
+        dt = self.numerics.dtype
+        ex = self.experts
+        T, k = ids.shape
+        row_token, ws, row_of_pair, _, blocks, n_used = self._rows(w, ids, c)
+        xt = gather_rows(xa, row_token).T  # [D, rows]
+        g, u = (grouped_matmul_t(xt, blocks, n_used, *kernel_weight(p), bm=c, out_dtype=dt)
+                for p in (ex.w1, ex.w3))  # [I, rows]; columns of unused blocks are not written
+        h = (ws[None, :] * swiglu(g, u, self.limit)).astype(dt)
+        ha, cd2 = self._aq(h.T)
+        return self._mgpu_w2(ha.astype(cd2).T, blocks, n_used, row_of_pair, c, T, k)
 
     def routed_pallas_with_shared(self, x, w, ids, xq=None):
         """Decode (fewer pairs than experts) with the shared expert's fp8 projections in the routed

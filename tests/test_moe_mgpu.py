@@ -1,0 +1,123 @@
+"""``kernels.moe_mgpu`` (the routed experts' GEMMs as a Mosaic GPU kernel, transposed layout) in
+JAX's Mosaic GPU interpreter against its XLA form, its CUDA lowering at V4.1-Flash shapes, and
+``MoE.routed_mgpu`` against the default prefill path."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsv41_jax.kernels import moe_mgpu as MG
+from dsv41_jax.kernels.qmatmul import dequantize
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+
+
+def _problem(rng, G, O, K, blocks, bm):
+    codes = jnp.asarray(rng.integers(-12, 13, (G, O, K)), jnp.int8)
+    scale = jnp.asarray(rng.integers(118, 132, (G, O, K // 32)), jnp.uint8)
+    xt = jnp.asarray(rng.standard_normal((K, blocks * bm)), BF16)
+    bg = jnp.asarray(rng.permutation(np.arange(blocks) % G), jnp.int32)
+    return xt, bg, codes, scale
+
+
+CASES = [(MG.Tiles(), 128, 256, 128), (MG.Tiles(tile_m=64, tile_k=128, steps=2), 32, 128, 256),
+         (MG.Tiles(tile_m=128, tile_k=64, steps=3), 160, 256, 128)]
+
+
+@pytest.mark.parametrize("tiles,bm,O,K", CASES, ids=[f"tm{t.tile_m}-tk{t.tile_k}-bm{b}" for t, b, _, _ in CASES])
+def test_kernel_equals_its_xla_form(tiles, bm, O, K):
+    """Row blocks of one (32), two (64: the epilogue's 64-token tiles) and five (160) 32-token
+    widths; several K steps; neighbouring blocks on other experts; the last block past
+    ``n_blocks`` (not compared: left unwritten). bf16 results: the fp32 summation order may move
+    one by an ulp. Each block is also checked against its own expert in numpy, so a block
+    multiplied by a neighbour's weights shows."""
+    rng = np.random.default_rng(bm + O)
+    xt, bg, codes, scale = _problem(rng, G=3, O=O, K=K, blocks=4, bm=bm)
+    nb = 3
+    got = np.asarray(MG.grouped_matmul_t(xt, bg, nb, codes, scale, bm=bm, impl="interpret", tiles=tiles, num_sms=3),
+                     np.float64)[:, :nb * bm]
+    want = np.asarray(MG.grouped_matmul_t(xt, bg, nb, codes, scale, bm=bm, impl="xla"), np.float64)[:, :nb * bm]
+    ulp = 2.0 ** -7 * np.abs(want)
+    assert np.all(np.abs(got - want) <= ulp + 1e-30)
+    assert np.mean(got != want) < 1e-3
+    x64 = np.asarray(xt, np.float64)
+    for j in range(nb):
+        wj = np.asarray(dequantize(codes[int(bg[j])], scale[int(bg[j])], F32), np.float64)
+        ref = wj @ x64[:, j * bm:(j + 1) * bm]
+        assert np.all(np.abs(got[:, j * bm:(j + 1) * bm] - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-6 * np.abs(ref).max()), j
+
+
+def test_lowering_at_flash_shapes_and_errors(monkeypatch):
+    """The Mosaic GPU kernel lowers for CUDA (no GPU needed) at V4.1-Flash's routed shapes (w1 / w3:
+    2304 x 5120, w2: 5120 x 2304; 160-row blocks of an 8k prefill), for both tile_m; shapes or
+    dtypes it does not take, bad switches and tiles: one clear error each."""
+    SD = jax.ShapeDtypeStruct
+    for O, K, tiles in ((2304, 5120, MG.Tiles()), (5120, 2304, MG.Tiles(tile_m=128, tile_k=128, steps=2))):
+        f = jax.jit(lambda *a, t=tiles: MG.grouped_matmul_t(*a, bm=160, impl="mosaic", tiles=t, num_sms=132))
+        args = (SD((K, 160 * 400), BF16), SD((400,), jnp.int32), SD((), jnp.int32),
+                SD((384, O, K), jnp.int8), SD((384, O, K // 32), jnp.uint8))
+        assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    rng = np.random.default_rng(0)
+    xt, bg, codes, scale = _problem(rng, G=2, O=128, K=128, blocks=2, bm=32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        MG.grouped_matmul_t(xt[:, :48], bg[:1], 1, codes, scale, bm=48, impl="mosaic")
+    with pytest.raises(ValueError, match="int8 codes"):
+        MG.grouped_matmul_t(xt, bg, 1, codes.astype(BF16), scale, bm=32, impl="mosaic")
+    with pytest.raises(ValueError, match="bf16 results"):
+        MG.grouped_matmul_t(xt, bg, 1, codes, scale, bm=32, impl="mosaic", out_dtype=F32)
+    with pytest.raises(ValueError, match="impl"):
+        MG.grouped_matmul_t(xt, bg, 1, codes, scale, bm=32, impl="triton")
+    monkeypatch.setenv("DSV41_MGPU_TILES", '{"tile_n": 64}')
+    with pytest.raises(ValueError, match="DSV41_MGPU_TILES"):
+        MG.env_tiles()
+    monkeypatch.setenv("DSV41_MOE_PREFILL", "cutlass")
+    with pytest.raises(ValueError, match="DSV41_MOE_PREFILL"):
+        MG.prefill_mode()
+
+
+@pytest.mark.parametrize("numerics", ["bfloat16-fast", "bfloat16-reference"])
+def test_routed_mgpu_equals_the_default_prefill_path(numerics, monkeypatch):
+    """A prefill through ``MoE.routed_pallas`` with ``DSV41_MOE_PREFILL=mgpu`` and ``mgpu-w2`` (the
+    Mosaic GPU interpreter; 32-row expert blocks, padding rows, unused blocks) against the default
+    path (``moe_glu`` + the w2 launch in the Pallas interpreter), and the fp8 quantization of h in
+    reference numerics. Shapes the kernel does not take keep the default path."""
+    import dsv41_jax.kernels.moe_mgpu as K
+    from dsv41_jax.config import preset, with_text_overrides
+    from dsv41_jax.model import moe as M
+    from dsv41_jax.numerics import Numerics
+
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    monkeypatch.setenv("DSV41_MGPU_IMPL", "interpret")
+    monkeypatch.setenv("DSV41_MOE_CHUNK", "32")
+    calls = []
+    real = K.grouped_matmul_t
+    monkeypatch.setattr(K, "grouped_matmul_t", lambda *a, **kw: calls.append(kw["bm"]) or real(*a, num_sms=4, **kw))
+    cfg = with_text_overrides(preset("tiny"), hidden_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                              moe_intermediate_size=128)
+    t = cfg.text
+    moe = M.MoE(t, Numerics(*numerics.split("-")), vision=False, experts_int8=True)
+    moe.experts.quantized = moe.numerics.fake_quant
+    rng = np.random.default_rng(3)
+    E, D, I = t.n_routed_experts, t.hidden_size, t.moe_intermediate_size
+    moe.gate.weight.set_value(jnp.asarray(rng.standard_normal((E, D)) * 0.3, BF16))
+    for name, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+        p = getattr(moe.experts, name)
+        p.weight.set_value(jnp.asarray(rng.integers(-12, 13, (E, o, i)), jnp.int8))
+        p.scale.set_value(jnp.asarray(rng.integers(122, 126, (E, o, i // 32)), jnp.uint8))
+    x = jnp.asarray(rng.standard_normal((40, D)), BF16)
+    w, ids = moe.gate(x)
+    outs = {}
+    for mode in ("mgpu", "mgpu-w2", "triton"):
+        monkeypatch.setenv("DSV41_MOE_PREFILL", mode)
+        outs[mode] = np.asarray(jax.jit(moe.routed_pallas)(x, w, ids), np.float64)
+    assert calls == [32, 32, 32, 32]  # w1, w3, w2; then w2 alone
+    # g, u and h are rounded to bf16 on both paths; a different summation order may move one by an ulp
+    for mode in ("mgpu", "mgpu-w2"):
+        assert np.abs(outs[mode] - outs["triton"]).max() <= 2 ** -7 * np.abs(outs["triton"]).max(), mode
+    monkeypatch.setenv("DSV41_MOE_PREFILL", "mgpu")
+    monkeypatch.setenv("DSV41_MOE_CHUNK", "48")  # not a multiple of 32: the default path
+    jax.jit(moe.routed_pallas)(x, w, ids)
+    assert calls == [32, 32, 32, 32]
