@@ -47,7 +47,8 @@ def test_kernel_equals_its_xla_form(tiles, bm, O, K):
     for j in range(nb):
         wj = np.asarray(dequantize(codes[int(bg[j])], scale[int(bg[j])], F32), np.float64)
         ref = wj @ x64[:, j * bm:(j + 1) * bm]
-        assert np.all(np.abs(got[:, j * bm:(j + 1) * bm] - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-6 * np.abs(ref).max()), j
+        tol = 2.0 ** -8 * np.abs(ref) + 1e-6 * np.abs(ref).max()
+        assert np.all(np.abs(got[:, j * bm:(j + 1) * bm] - ref) <= tol), j
 
 
 def test_lowering_at_flash_shapes_and_errors(monkeypatch):

@@ -27,8 +27,8 @@ any backend; it cannot take ``wgmma``'s left operand from registers, so there th
 chunk goes through a shared-memory buffer: everything else, indexing and pipeline included, is the
 kernel's), ``"xla"`` (:func:`grouped_matmul_t_reference`).
 
-Selected by ``DSV41_MOE_PREFILL=mgpu`` (``MoE.routed_mgpu``) or ``mgpu-w2`` (w2 only); not the default until it is measured
-faster than ``kernels.moe_glu`` (docs/kernels.md).
+Selected by ``DSV41_MOE_PREFILL=mgpu`` (``MoE.routed_mgpu``) or ``mgpu-w2`` (w2 only); not the
+default until it is measured faster than ``kernels.moe_glu`` (docs/kernels.md).
 """
 from __future__ import annotations
 
