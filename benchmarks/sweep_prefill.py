@@ -262,60 +262,85 @@ def part_glu(key, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304, limit
 
 
 # (projection, tiles or "triton"): the Mosaic GPU grouped GEMM (kernels.moe_mgpu, tokens as columns) per
-# tiling, against the Triton launches on the same block layout
-MGPU_VARIANTS = (("w1", "triton"), ("w1", {}), ("w1", dict(steps=3)), ("w1", dict(steps=5)), ("w1", dict(tile_k=128, steps=3)),
-                 ("w1", dict(tile_m=128, steps=3)), ("w1", dict(tile_m=128, tile_k=128, steps=2)),
+# tiling, against the Triton launches on the same block layout; "glu": w1 + w3 + SwiGLU in one launch
+# (grouped_glu_t against kernels.moe_glu)
+MGPU_VARIANTS = (("w1", "triton"), ("w1", {}), ("w1", dict(steps=3)), ("w1", dict(steps=5)),
+                 ("w1", dict(tile_k=128, steps=3)), ("w1", dict(tile_m=128, steps=3)),
+                 ("w1", dict(tile_m=128, tile_k=128, steps=2)),
+                 ("glu", "triton"), ("glu", {}), ("glu", dict(steps=3)), ("glu", dict(tile_k=128, steps=2)),
                  ("w2", "triton"), ("w2", {}), ("w2", dict(tile_k=128, steps=3)), ("w2", dict(tile_m=128, steps=3)))
 
 
-def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304):
+def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304,
+              limit: float = 10.0):
     """The routed experts' GEMMs of a prefill as ``kernels.moe_mgpu`` (Mosaic GPU: TMA, warp
     specialization, wgmma with the dequantized weights from registers) over its tilings, against
-    the Triton launches (``grouped_qmatmul_fused``: w1 + w3 in one launch, w2) on the same layout.
-    FLOPs count the real pairs; the w1 row is one projection (w1 + w3: twice its time)."""
+    the Triton launches on the same layout (``grouped_qmatmul_fused``: w1 + w3 in one launch, w2;
+    ``moe_glu`` for the fused first half). FLOPs count the real pairs; the w1 row is one projection
+    (w1 + w3: twice its work)."""
     from dsv41_jax.kernels import moe_mgpu as MG
+    from dsv41_jax.kernels.moe_glu import gather_rows, moe_glu
     from dsv41_jax.model.moe import MoE
 
     impl = "interpret" if IMPL == "interpret" else "mosaic"
+    sms = 4 if impl == "interpret" else None  # (the interpreter runs one thread per simulated SM)
     k1, k2, k3, k4 = jax.random.split(key, 4)
     w = {"w1": bq.make_int8(k1, E, Ii, D), "w3": bq.make_int8(k2, E, Ii, D), "w2": bq.make_int8(k3, E, D, Ii)}
     ids = jax.random.randint(k4, (T, k), 0, E, dtype=jnp.int32)
-    _, _, NC, blocks, n_used = MoE._blocks(types.SimpleNamespace(n_experts=E), ids, c)
-    x = {"w1": jax.random.normal(k1, (NC * c, D), jnp.float32).astype(BF16),
-         "w2": jax.random.normal(k2, (NC * c, Ii), jnp.float32).astype(BF16)}
-    live = int(n_used) * c
+    route = jax.random.uniform(k4, (T, k), jnp.float32)
+    ns = types.SimpleNamespace(n_experts=E)
+    fake = types.SimpleNamespace(n_experts=E, _blocks=functools.partial(MoE._blocks, ns))
+    row_token, ws, _, NC, blocks, n_used = MoE._rows(fake, route, ids, c)
+    xtok = jax.random.normal(k1, (T, D), jnp.float32).astype(BF16)
+    x = {"w1": gather_rows(xtok, row_token), "w2": jax.random.normal(k2, (NC * c, Ii), jnp.float32).astype(BF16)}
+    x["glu"] = x["w1"]
+    pairs = np.asarray(row_token >= 0)
     ref = {}
     for proj, tiles in MGPU_VARIANTS:
         try:
-            O, K = w[proj][0].shape[1:]
-            if tiles == "triton":
-                ws = [w["w1"], w["w3"]] if proj == "w1" else [w["w2"]]
+            O, K = w["w2" if proj == "w2" else "w1"][0].shape[1:]
+            n_proj = 2 if proj == "glu" else 1
+            if tiles == "triton" and proj == "glu":
+                def fn(i, s, a, row_token, ws, blocks, n_used):
+                    return moe_glu(a + s.astype(BF16), row_token, ws, blocks, n_used, w["w1"], w["w3"], bm=c,
+                                   limit=limit, impl=IMPL)[:, :8]
+                args = (xtok, row_token, ws, blocks, n_used)
+                ref[proj] = moe_glu(xtok, row_token, ws, blocks, n_used, w["w1"], w["w3"], bm=c, limit=limit, impl=IMPL)
+            elif tiles == "triton":
+                wl = [w["w1"], w["w3"]] if proj == "w1" else [w["w2"]]
+                n_proj = len(wl)
 
-                def fn(i, s, a, blocks, n_used, ws=ws):
-                    return Q.grouped_qmatmul_fused(a + s.astype(BF16), blocks, n_used, ws, bm=c, out_dtype=BF16,
+                def fn(i, s, a, blocks, n_used, wl=wl):
+                    return Q.grouped_qmatmul_fused(a + s.astype(BF16), blocks, n_used, wl, bm=c, out_dtype=BF16,
                                                    impl=IMPL)[0][:, :8]
-                t, comp = bq.timeit(fn, x[proj], blocks, n_used, reps=3)
-                ref[proj] = Q.grouped_qmatmul_fused(x[proj], blocks, n_used, ws[:1], bm=c, out_dtype=BF16, impl=IMPL)[0]
-                n_proj = len(ws)
-                extra = {}
+                args = (x[proj], blocks, n_used)
+                ref[proj] = Q.grouped_qmatmul_fused(x[proj], blocks, n_used, wl[:1], bm=c, out_dtype=BF16, impl=IMPL)[0]
             else:
                 tl = MG.Tiles(**tiles)
-                xt = x[proj].T
+                if proj == "glu":
+                    def run(a, tl=tl):
+                        return MG.grouped_glu_t(a, ws, blocks, n_used, w["w1"], w["w3"], bm=c, limit=limit,
+                                                impl=impl, tiles=tl, num_sms=sms)
+                else:
+                    def run(a, tl=tl, proj=proj):
+                        return MG.grouped_matmul_t(a, blocks, n_used, *w[proj], bm=c, impl=impl, tiles=tl,
+                                                   num_sms=sms)
 
-                def fn(i, s, a, blocks, n_used, tl=tl):
-                    return MG.grouped_matmul_t(a + s.astype(BF16), blocks, n_used, *w[proj], bm=c, impl=impl,
-                                               tiles=tl)[:8]
-                # (the Mosaic GPU interpreter hangs inside the timing loop: the smoke run only checks values)
-                t, comp = bq.timeit(fn, xt, blocks, n_used, reps=3) if impl == "mosaic" else (float("nan"), 0.0)
-                got = MG.grouped_matmul_t(xt, blocks, n_used, *w[proj], bm=c, impl=impl, tiles=tl).T
-                extra = {}
-                if proj in ref:
-                    a, b = got[:live], ref[proj][:live]
-                    extra = dict(rel_err=bq.rel_err(a, b), equal_frac=round(float(jnp.mean((a == b).astype(jnp.float32))), 5))
-                n_proj = 1
+                def fn(i, s, a, run=run):
+                    return run(a + s.astype(BF16))[:8]
+                args = (x[proj].T,)
+            # (the Mosaic GPU interpreter hangs inside the timing loop: the smoke run only checks values)
+            timed = impl == "mosaic" or tiles == "triton"
+            t, comp = bq.timeit(fn, *args, reps=3) if timed else (float("nan"), 0.0)
+            extra = {}
+            if tiles != "triton" and proj in ref:
+                got, want = run(x[proj].T).T[pairs], ref[proj][pairs]
+                extra = dict(rel_err=bq.rel_err(got, want),
+                             equal_frac=round(float(jnp.mean((got == want).astype(jnp.float32))), 5))
             flops = 2.0 * T * k * O * K * n_proj
-            emit(part="mgpu", tokens=T, chunk=c, proj=proj if n_proj == 1 else "w1+w3", tiles=tiles,
-                 ms=round(t * 1e3, 3), TFLOPs=round(flops / t / 1e12, 1), compile_s=round(comp, 1), **extra)
+            emit(part="mgpu", tokens=T, chunk=c, proj="w1+w3" if proj == "w1" and n_proj == 2 else proj,
+                 tiles=tiles, ms=round(t * 1e3, 3), TFLOPs=round(flops / t / 1e12, 1), compile_s=round(comp, 1),
+                 **extra)
         except Exception as e:  # noqa: BLE001
             emit(part="mgpu", tokens=T, chunk=c, proj=proj, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
 

@@ -27,8 +27,10 @@ any backend; it cannot take ``wgmma``'s left operand from registers, so there th
 chunk goes through a shared-memory buffer: everything else, indexing and pipeline included, is the
 kernel's), ``"xla"`` (:func:`grouped_matmul_t_reference`).
 
-Selected by ``DSV41_MOE_PREFILL=mgpu`` (``MoE.routed_mgpu``) or ``mgpu-w2`` (w2 only); not the
-default until it is measured faster than ``kernels.moe_glu`` (docs/kernels.md).
+:func:`grouped_glu_t` runs w1 and w3 in one launch (two accumulators per compute warpgroup) with
+the route-weighted SwiGLU in the epilogue (experimental). Selected by ``DSV41_MOE_PREFILL``
+(``mgpu``, ``mgpu-glu``, ``mgpu-w2``: ``MoE.routed_mgpu``); not the default until it is measured
+faster than ``kernels.moe_glu`` (docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from dsv41_jax.kernels.qmatmul import QBLOCK, _check, _grouped, default_mult, gr
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 _IMPLS = ("auto", "mosaic", "interpret", "xla")
+_MODES = ("triton", "mgpu", "mgpu-glu", "mgpu-w2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +62,13 @@ class Tiles:
 
 def prefill_mode() -> str:
     """``DSV41_MOE_PREFILL`` (read at trace time): ``triton`` (default: ``kernels.moe_glu`` and the
-    Triton w2 launch), ``mgpu`` (this module's kernel for w1, w3 and w2, XLA's gather and SwiGLU
-    between them) or ``mgpu-w2`` (``moe_glu``, then this module's kernel for w2 on h's transpose)."""
+    Triton w2 launch), ``mgpu`` (:func:`grouped_matmul_t` for w1, w3 and w2, XLA's SwiGLU between),
+    ``mgpu-glu`` (:func:`grouped_glu_t` for w1 + w3 + SwiGLU, then w2; experimental: its values
+    are not verified in the interpreter, see :func:`grouped_glu_t`) or ``mgpu-w2`` (``moe_glu``,
+    then this module's kernel for w2 on h's transpose)."""
     mode = os.environ.get("DSV41_MOE_PREFILL", "triton")
-    if mode not in ("triton", "mgpu", "mgpu-w2"):
-        raise ValueError(f"DSV41_MOE_PREFILL={mode!r}: use triton (the default), mgpu or mgpu-w2")
+    if mode not in _MODES:
+        raise ValueError(f"DSV41_MOE_PREFILL={mode!r}: use one of {_MODES} (triton: the default)")
     return mode
 
 
@@ -154,16 +159,55 @@ def grouped_matmul_t(xt, block_group, n_blocks, codes, scale, *, bm: int, out_dt
     if why is not None or scale is None:
         raise ValueError(f"grouped_matmul_t: the Mosaic GPU kernel does not apply: {why or 'unscaled weights'}")
     nb = jnp.reshape(jnp.asarray(n_blocks, jnp.int32), (1,))
-    return _call(xt, block_group.astype(jnp.int32), nb, codes, scale_t(scale), bm=bm, out_dtype=out_dtype,
-                 mult=mult, tiles=tiles, num_sms=num_sms or _num_sms(), interpret=impl == "interpret")
+    return _call(xt, block_group.astype(jnp.int32), nb, [(codes, scale_t(scale))], bm=bm, mult=mult, tiles=tiles,
+                 num_sms=num_sms or _num_sms(), interpret=impl == "interpret")
 
 
-def _call(xt, block_group, nb, codes, s8, *, bm, out_dtype, mult: float, tiles: Tiles, num_sms: int, interpret: bool):
+def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: float, impl: str = "auto",
+                  tiles: Tiles | None = None, num_sms: int | None = None):
+    """w1 and w3 in one launch with the SwiGLU in the epilogue: ``dt(ws * swiglu(dt(g), dt(u), limit))``
+    [I, R] for ``g``, ``u`` = :func:`grouped_matmul_t` of ``w1`` / ``w3`` ((codes, scale) pairs) and
+    ``ws`` [R] the route weight of each column (0 for padding columns). The compute warpgroups hold
+    both accumulators, so each token tile is read once for the two weights and g, u never reach
+    memory. XLA form: the two products and ``model.moe.swiglu``.
+
+    Not verified on the interpreter: JAX 0.10.2's Mosaic GPU interpreter hangs, nondeterministically
+    (about one run in two), in any kernel whose epilogue reads two accumulators once the pipeline
+    has as many K steps as stages; runs that finish agree with the XLA form (within an ulp of h).
+    The GPU check is ``sweep_prefill.py --part mgpu`` (rel_err / equal_frac against ``moe_glu``)."""
+    from dsv41_jax.model.moe import swiglu
+
+    impl = kernel_impl(impl)
+    (c1, s1), (c3, s3) = (_grouped(*w) for w in (w1, w3))
+    if c1.shape != c3.shape or s1 is None or s3 is None:
+        raise ValueError(f"grouped_glu_t: w1 {c1.shape} and w3 {c3.shape} must be scaled int8 weights of one shape")
+    if ws.shape != (xt.shape[1],):
+        raise ValueError(f"grouped_glu_t: route weights {ws.shape} for {xt.shape[1]} columns")
+    if impl == "xla":
+        g, u = (grouped_matmul_t(xt, block_group, n_blocks, c, sc, bm=bm, impl="xla") for c, sc in ((c1, s1), (c3, s3)))
+        return (ws[None, :].astype(F32) * swiglu(g, u, limit)).astype(BF16)
+    tiles = tiles or env_tiles()
+    K, R = xt.shape
+    _check(jax.ShapeDtypeStruct((R, K), xt.dtype), block_group, c1, s1, bm)
+    why = applies(c1.shape[1], K, bm, c1.dtype, xt.dtype, tiles)
+    if why is not None:
+        raise ValueError(f"grouped_glu_t: the Mosaic GPU kernel does not apply: {why}")
+    nb = jnp.reshape(jnp.asarray(n_blocks, jnp.int32), (1,))
+    return _call(xt, block_group.astype(jnp.int32), nb, [(c1, scale_t(s1)), (c3, scale_t(s3))], bm=bm,
+                 mult=default_mult(c1.dtype), tiles=tiles, num_sms=num_sms or _num_sms(),
+                 interpret=impl == "interpret", glu=(ws.astype(F32), float(limit)))
+
+
+def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sms: int, interpret: bool, glu=None):
+    """The kernel. ``weights``: [(codes, scale bytes as ``scale_t``)], or two of them (w1, w3) with
+    ``glu`` = (route weights [R] fp32, swiglu limit): then each compute warpgroup keeps both
+    accumulators and its epilogue writes ``dt(w * swiglu(dt(g), dt(u)))``."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     K, R = xt.shape
-    E, O, _ = codes.shape
+    E, O, _ = weights[0][0].shape
+    nw = len(weights)
     NB = R // bm
     tm, tk = tiles.tile_m, tiles.tile_k
     cta_m = 2 * tm
@@ -178,24 +222,28 @@ def _call(xt, block_group, nb, codes, s8, *, bm, out_dtype, mult: float, tiles: 
     # 64-byte swizzle on the token tile: wgmma then takes it 32 inputs (one scale chunk) at a time
     b_tr = tr(64, 2)
     o_tr = tr(2 * epi, 2)
-    out_dt = jnp.dtype(out_dtype)
+    specs = []
+    for _ in range(nw):  # (a spec object per operand: the pipeline keeps per-spec state)
+        specs += [plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=a_tr, memory_space=plgpu.SMEM),
+                  plgpu.BlockSpec((chunks, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM)]
+    specs.append(plgpu.BlockSpec((tk, bm), lambda k: (k, 0), transforms=b_tr, memory_space=plgpu.SMEM))
 
-    def kernel(bg_gmem, nb_gmem, a_gmem, s_gmem, b_gmem, out_gmem, out_smem, lhs_smem):
+    def kernel(bg_gmem, nb_gmem, *refs, out_smem, lhs_smem, ws_smem=None, ws_bar=None):
+        ws_gmem, refs = (refs[0], refs[1:]) if glu is not None else (None, refs)
+        w_gmem, b_gmem, out_gmem = refs[:2 * nw], refs[2 * nw], refs[2 * nw + 1]
+
         def pipeline(body, context):
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(K // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-                max_concurrent_steps=tiles.steps, compute_context=context,
-                in_specs=[plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=a_tr, memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((chunks, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((tk, bm), lambda k: (k, 0), transforms=b_tr, memory_space=plgpu.SMEM)])
+                max_concurrent_steps=tiles.steps, compute_context=context, in_specs=specs)
 
         def ignore(*_, **__):
             return None
 
         live_blocks = nb_gmem[0]
 
-        @functools.partial(pl.run_scoped, collective_axes="wg",
-                           allocs=pipeline(ignore, ignore).get_allocations(a_gmem.at[0], s_gmem.at[0], b_gmem))
+        @functools.partial(pl.run_scoped, collective_axes="wg", allocs=pipeline(ignore, ignore).get_allocations(
+            *(r.at[0] for r in w_gmem), b_gmem))
         def _scope(allocs):
             wg = lax.axis_index("wg")
             rows = pl.ds(wg * tm, tm)  # this warpgroup's output rows within the CTA tile
@@ -211,11 +259,25 @@ def _call(xt, block_group, nb, codes, s8, *, bm, out_dtype, mult: float, tiles: 
                     m_sl = pl.ds(mi * cta_m, cta_m)
                     n_sl = pl.ds(blk * bm, bm)
 
+                    def result(accs):
+                        if glu is None:
+                            return accs[0][...].astype(BF16)
+                        g, u = (a[...].astype(BF16).astype(F32) for a in accs)
+                        limit = glu[1]
+                        if limit > 0:
+                            u = jnp.clip(u, -limit, limit)
+                            g = jnp.minimum(g, limit)
+                        plgpu.barrier_wait(ws_bar.at[wg])
+                        wcol = lax.broadcast_in_dim(ws_smem[wg], (tm, bm), (1,))
+                        return (wcol * (g / (1.0 + jnp.exp(-g))) * u).astype(BF16)
+
                     def context(run):
-                        @functools.partial(pl.run_scoped, acc=plgpu.ACC((tm, bm), F32))
-                        def _acc(acc):
-                            run(acc)
-                            y = acc[...].astype(out_dt)
+                        @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, bm), F32) for _ in range(nw)])
+                        def _acc(accs):
+                            if glu is not None:  # this block's route weights, for the epilogue
+                                plgpu.copy_gmem_to_smem(ws_gmem.at[n_sl], ws_smem.at[wg], ws_bar.at[wg])
+                            run(tuple(accs))
+                            y = result(accs)
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             for i in range(bm // epi):
                                 cols = slice(i * epi, (i + 1) * epi)
@@ -226,23 +288,29 @@ def _call(xt, block_group, nb, codes, s8, *, bm, out_dtype, mult: float, tiles: 
                                 plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
                                                         out_gmem.at[m_sl, n_sl].at[rows].at[:, cols])
 
-                    def body(_, a_smem, s_smem, b_smem, acc):
-                        a = a_smem[rows].astype(BF16)
-                        for c in range(chunks):
-                            scale = lax.broadcast_in_dim(_scale_rows(s_smem[c, rows], mult), (tm, QBLOCK), (0,))
-                            lhs = a[:, c * QBLOCK:(c + 1) * QBLOCK] * scale
-                            if interpret:  # the interpreter's wgmma reads its left operand from shared memory
-                                lhs_smem[wg] = lhs
-                                plgpu.commit_smem()
-                                lhs = lhs_smem.at[wg]
-                            plgpu.wgmma(acc, lhs, b_smem.at[pl.ds(c * QBLOCK, QBLOCK)])
-                            if interpret:
-                                plgpu.wgmma_wait(0)
+                    def body(_, *refs):
+                        *smem, accs = refs
+                        b_smem = smem[-1]
+                        for w in range(nw):
+                            a = smem[2 * w][rows].astype(BF16)
+                            for c in range(chunks):
+                                scale = lax.broadcast_in_dim(_scale_rows(smem[2 * w + 1][c, rows], mult),
+                                                             (tm, QBLOCK), (0,))
+                                lhs = a[:, c * QBLOCK:(c + 1) * QBLOCK] * scale
+                                if interpret:  # the interpreter's wgmma reads its left operand from shared memory
+                                    lhs_smem[wg] = lhs
+                                    plgpu.commit_smem()
+                                    lhs = lhs_smem.at[wg]
+                                plgpu.wgmma(accs[w], lhs, b_smem.at[pl.ds(c * QBLOCK, QBLOCK)])
+                                if interpret:
+                                    plgpu.wgmma_wait(0)
                         plgpu.wgmma_wait(0)
-                        return acc
+                        return accs
 
-                    pipeline(body, context)(a_gmem.at[e, m_sl, :], s_gmem.at[e, :, m_sl], b_gmem.at[:, n_sl],
-                                            allocations=allocs)
+                    operands = []
+                    for w in range(nw):
+                        operands += [w_gmem[2 * w].at[e, m_sl, :], w_gmem[2 * w + 1].at[e, :, m_sl]]
+                    pipeline(body, context)(*operands, b_gmem.at[:, n_sl], allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -252,11 +320,14 @@ def _call(xt, block_group, nb, codes, s8, *, bm, out_dtype, mult: float, tiles: 
 
         extra["interpret"] = interpret_params.InterpretGPUParams()
     f = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((O, R), out_dt), grid=(num_sms,), grid_names=("sm",),
+        kernel, out_type=jax.ShapeDtypeStruct((O, R), BF16), grid=(num_sms,), grid_names=("sm",),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=dict(out_smem=plgpu.SMEM((2, 2, tm, epi), out_dt, transforms=o_tr),
+        scratch_types=dict(out_smem=plgpu.SMEM((2, 2, tm, epi), BF16, transforms=o_tr),
                            lhs_smem=plgpu.SMEM((2, tm, QBLOCK) if interpret else (2, 8, QBLOCK), BF16,
-                                               transforms=tr(64, 2))),
+                                               transforms=tr(64, 2)),
+                           **({} if glu is None else dict(ws_smem=plgpu.SMEM((2, bm), F32),
+                                                          ws_bar=plgpu.Barrier(num_barriers=2)))),
         **extra)
-    return f(block_group, nb, codes, s8, xt)
+    flat = [a for cw in weights for a in cw]
+    return f(block_group, nb, *(() if glu is None else (glu[0],)), *flat, xt)

@@ -380,7 +380,7 @@ class MoE(nnx.Module):
             raise ValueError("routed_pallas: with_shared is for decode (fewer pairs than experts)")
         c = pallas_chunk(N, self.n_experts)
         mgpu = self._mgpu_mode(c, cd)
-        if mgpu == "mgpu":
+        if mgpu in ("mgpu", "mgpu-glu"):
             return self.routed_mgpu(xa.astype(cd), w, ids, c)
         split = split_tail()
         sel = None
@@ -407,7 +407,8 @@ class MoE(nnx.Module):
 
     def _mgpu_mode(self, c: int, cd) -> str | None:
         """``DSV41_MOE_PREFILL`` for a prefill with ``c``-row expert blocks (``GLU_MIN_ROWS`` and more):
-        "mgpu" (``routed_mgpu``), "mgpu-w2" (``kernels.moe_glu``, then the Mosaic GPU w2) or None
+        "mgpu" / "mgpu-glu" (``routed_mgpu``), "mgpu-w2" (``kernels.moe_glu``, then the Mosaic GPU
+        w2) or None
         (the Triton launches: the default, and wherever the Mosaic GPU kernel does not take the
         shapes: int8 experts and bf16 only, ``kernels.moe_mgpu.applies``)."""
         from dsv41_jax.kernels import moe_mgpu
@@ -418,10 +419,10 @@ class MoE(nnx.Module):
             return None
         ex = self.experts
         t = moe_mgpu.env_tiles()
-        ps = (ex.w1, ex.w3, ex.w2) if mode == "mgpu" else (ex.w2,)
+        ps = (ex.w2,) if mode == "mgpu-w2" else (ex.w1, ex.w3, ex.w2)
         fits = all(moe_mgpu.applies(p.weight.shape[1], p.weight.shape[2], c, p.weight.dtype, cd, t) is None
                    for p in ps)
-        return mode if fits and (mode == "mgpu" or glu_kernel()) else None
+        return mode if fits and (mode != "mgpu-w2" or glu_kernel()) else None
 
     def _mgpu_w2(self, ht, blocks, n_used, row_of_pair, c: int, T: int, k: int):
         """w2 on the transposed block layout ``ht`` [I, rows] (``kernels.moe_mgpu``), then each
@@ -434,19 +435,24 @@ class MoE(nnx.Module):
     def routed_mgpu(self, xa, w, ids, c: int):
         """A prefill's routed experts through ``kernels.moe_mgpu`` (Mosaic GPU, ``DSV41_MOE_PREFILL=mgpu``):
         ``routed_grouped``'s block layout kept transposed (tokens as columns) from the gather of the
-        rows to the combine: w1 and w3 launches, XLA's SwiGLU (and the fp8 quantization of h),
-        the w2 launch. Same rounding points as ``routed_dense``. ``xa``: the GEMM input (``_aq``)."""
+        rows to the combine: w1 and w3 launches and XLA's SwiGLU (``mgpu-glu``: one launch with the
+        SwiGLU in its epilogue), XLA's fp8 quantization of h in reference numerics, the w2 launch.
+        Same rounding points as ``routed_dense``. ``xa``: the GEMM input (``_aq``)."""
         from dsv41_jax.kernels.moe_glu import gather_rows
-        from dsv41_jax.kernels.moe_mgpu import grouped_matmul_t
+        from dsv41_jax.kernels.moe_mgpu import grouped_glu_t, grouped_matmul_t, prefill_mode
 
         dt = self.numerics.dtype
         ex = self.experts
         T, k = ids.shape
         row_token, ws, row_of_pair, _, blocks, n_used = self._rows(w, ids, c)
         xt = gather_rows(xa, row_token).T  # [D, rows]
-        g, u = (grouped_matmul_t(xt, blocks, n_used, *kernel_weight(p), bm=c, out_dtype=dt)
-                for p in (ex.w1, ex.w3))  # [I, rows]; columns of unused blocks are not written
-        h = (ws[None, :] * swiglu(g, u, self.limit)).astype(dt)
+        # [I, rows]; columns of unused blocks are not written
+        if prefill_mode() == "mgpu-glu":
+            h = grouped_glu_t(xt, ws, blocks, n_used, kernel_weight(ex.w1), kernel_weight(ex.w3), bm=c,
+                              limit=self.limit)
+        else:
+            g, u = (grouped_matmul_t(xt, blocks, n_used, *kernel_weight(p), bm=c, out_dtype=dt) for p in (ex.w1, ex.w3))
+            h = (ws[None, :] * swiglu(g, u, self.limit)).astype(dt)
         ha, cd2 = self._aq(h.T)
         return self._mgpu_w2(ha.astype(cd2).T, blocks, n_used, row_of_pair, c, T, k)
 
