@@ -94,6 +94,27 @@ def test_moe_glu_errors_and_lowering(monkeypatch):
     assert "moe_glu" in fq.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def int8_moe(numerics: str, seed: int, **text_overrides):
+    """A tiny-preset ``MoE`` (``numerics`` as "dtype-mode") with random int8 experts (fp4-range
+    codes, ue8m0 scales; quantized in reference numerics) and a random gate: (moe, its rng)."""
+    from dsv41_jax.config import preset, with_text_overrides
+    from dsv41_jax.model import moe as M
+    from dsv41_jax.numerics import Numerics
+
+    t = with_text_overrides(preset("tiny"), **text_overrides).text
+    dt = jnp.dtype(numerics.split("-")[0])
+    moe = M.MoE(t, Numerics(*numerics.split("-")), vision=False, experts_int8=True)
+    moe.experts.quantized = moe.numerics.fake_quant
+    rng = np.random.default_rng(seed)
+    E, D, I = t.n_routed_experts, t.hidden_size, t.moe_intermediate_size
+    moe.gate.weight.set_value(jnp.asarray(rng.standard_normal((E, D)) * 0.3, dt))
+    for name, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
+        p = getattr(moe.experts, name)
+        p.weight.set_value(jnp.asarray(rng.integers(-12, 13, (E, o, i)), jnp.int8))
+        p.scale.set_value(jnp.asarray(rng.integers(122, 126, (E, o, i // 32)), jnp.uint8))
+    return moe, rng
+
+
 @pytest.mark.parametrize("numerics", ["float32-fast", "bfloat16-reference"])
 def test_routed_pallas_with_and_without_the_glu_kernel(numerics, monkeypatch):
     """A prefill through ``MoE.routed_pallas`` (interpreter kernels, 32-row expert blocks): the
@@ -101,27 +122,15 @@ def test_routed_pallas_with_and_without_the_glu_kernel(numerics, monkeypatch):
     gather, the fused w1 + w3 launch, XLA's SwiGLU and ``MoE._aq`` (``DSV41_MOE_GLU=0``); blocks
     below ``GLU_MIN_ROWS`` rows keep the fused launch."""
     import dsv41_jax.kernels.moe_glu as G
-    from dsv41_jax.config import preset, with_text_overrides
     from dsv41_jax.model import moe as M
-    from dsv41_jax.numerics import Numerics
 
     monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
     calls = []
     real = G.moe_glu
     monkeypatch.setattr(G, "moe_glu", lambda *a, **kw: calls.append(kw["bm"]) or real(*a, **kw))
-    cfg = with_text_overrides(preset("tiny"), n_routed_experts=24, num_experts_per_tok=3, moe_intermediate_size=96)
-    t = cfg.text
+    moe, rng = int8_moe(numerics, 2, n_routed_experts=24, num_experts_per_tok=3, moe_intermediate_size=96)
     dt = jnp.dtype(numerics.split("-")[0])
-    moe = M.MoE(t, Numerics(*numerics.split("-")), vision=False, experts_int8=True)
-    moe.experts.quantized = moe.numerics.fake_quant
-    rng = np.random.default_rng(2)
-    E, D, I = t.n_routed_experts, t.hidden_size, t.moe_intermediate_size
-    moe.gate.weight.set_value(jnp.asarray(rng.standard_normal((E, D)) * 0.3, dt))
-    for name, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
-        p = getattr(moe.experts, name)
-        p.weight.set_value(jnp.asarray(rng.integers(-12, 13, (E, o, i)), jnp.int8))
-        p.scale.set_value(jnp.asarray(rng.integers(122, 126, (E, o, i // 32)), jnp.uint8))
-    x = jnp.asarray(rng.standard_normal((64, D)), dt)
+    x = jnp.asarray(rng.standard_normal((64, moe.experts.w1.weight.shape[2])), dt)
     w, ids = moe.gate(x)
     outs = {}
     monkeypatch.setenv("DSV41_MOE_CHUNK", "32")

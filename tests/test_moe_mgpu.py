@@ -90,9 +90,7 @@ def test_routed_mgpu_equals_the_default_prefill_path(numerics, monkeypatch):
     path (``moe_glu`` + the w2 launch in the Pallas interpreter), and the fp8 quantization of h in
     reference numerics. Shapes the kernel does not take keep the default path."""
     import dsv41_jax.kernels.moe_mgpu as K
-    from dsv41_jax.config import preset, with_text_overrides
-    from dsv41_jax.model import moe as M
-    from dsv41_jax.numerics import Numerics
+    from test_moe_glu import int8_moe
 
     monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
     monkeypatch.setenv("DSV41_MGPU_IMPL", "interpret")
@@ -100,19 +98,9 @@ def test_routed_mgpu_equals_the_default_prefill_path(numerics, monkeypatch):
     calls = []
     real = K.grouped_matmul_t
     monkeypatch.setattr(K, "grouped_matmul_t", lambda *a, **kw: calls.append(kw["bm"]) or real(*a, num_sms=4, **kw))
-    cfg = with_text_overrides(preset("tiny"), hidden_size=128, n_routed_experts=8, num_experts_per_tok=2,
-                              moe_intermediate_size=128)
-    t = cfg.text
-    moe = M.MoE(t, Numerics(*numerics.split("-")), vision=False, experts_int8=True)
-    moe.experts.quantized = moe.numerics.fake_quant
-    rng = np.random.default_rng(3)
-    E, D, I = t.n_routed_experts, t.hidden_size, t.moe_intermediate_size
-    moe.gate.weight.set_value(jnp.asarray(rng.standard_normal((E, D)) * 0.3, BF16))
-    for name, (o, i) in (("w1", (I, D)), ("w3", (I, D)), ("w2", (D, I))):
-        p = getattr(moe.experts, name)
-        p.weight.set_value(jnp.asarray(rng.integers(-12, 13, (E, o, i)), jnp.int8))
-        p.scale.set_value(jnp.asarray(rng.integers(122, 126, (E, o, i // 32)), jnp.uint8))
-    x = jnp.asarray(rng.standard_normal((40, D)), BF16)
+    moe, rng = int8_moe(numerics, 3, hidden_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=128)
+    x = jnp.asarray(rng.standard_normal((40, 128)), BF16)
     w, ids = moe.gate(x)
     outs = {}
     for mode in ("mgpu", "mgpu-w2", "triton"):

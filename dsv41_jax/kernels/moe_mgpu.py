@@ -53,7 +53,7 @@ _MODES = ("triton", "mgpu", "mgpu-glu", "mgpu-w2")
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """``tile_m`` output rows per compute warpgroup (64 or 128; a CTA owns two of them),
-    ``tile_k`` inputs per pipeline step (a multiple of 32 dividing K), ``steps`` shared-memory
+    ``tile_k`` inputs per pipeline step (a multiple of 64 dividing K), ``steps`` shared-memory
     stages. ``DSV41_MGPU_TILES`` (JSON) overrides fields."""
     tile_m: int = 64
     tile_k: int = 64
@@ -73,6 +73,7 @@ def prefill_mode() -> str:
 
 
 def env_tiles() -> Tiles:
+    """``Tiles`` with the fields ``DSV41_MGPU_TILES`` (JSON, read at trace time) sets."""
     import json
 
     raw = os.environ.get("DSV41_MGPU_TILES")
@@ -121,6 +122,8 @@ def grouped_matmul_t_reference(xt, block_group, n_blocks, codes, scale, *, bm: i
 
 
 def kernel_impl(impl: str = "auto") -> str:
+    """Resolve ``impl``: ``auto`` -> ``DSV41_MGPU_IMPL`` if set, else the kernel on a GPU and the
+    XLA form elsewhere (``interpret`` only when asked for: tests, smoke runs)."""
     if impl not in _IMPLS:
         raise ValueError(f"grouped_matmul_t: impl {impl!r} not in {_IMPLS}")
     if impl == "auto":
@@ -291,19 +294,23 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                     def body(_, *refs):
                         *smem, accs = refs
                         b_smem = smem[-1]
+                        # every chunk dequantized before the first MMA is issued: a register operand
+                        # must not change while its asynchronous wgmma runs
+                        lhs = []
                         for w in range(nw):
                             a = smem[2 * w][rows].astype(BF16)
                             for c in range(chunks):
                                 scale = lax.broadcast_in_dim(_scale_rows(smem[2 * w + 1][c, rows], mult),
                                                              (tm, QBLOCK), (0,))
-                                lhs = a[:, c * QBLOCK:(c + 1) * QBLOCK] * scale
-                                if interpret:  # the interpreter's wgmma reads its left operand from shared memory
-                                    lhs_smem[wg] = lhs
-                                    plgpu.commit_smem()
-                                    lhs = lhs_smem.at[wg]
-                                plgpu.wgmma(accs[w], lhs, b_smem.at[pl.ds(c * QBLOCK, QBLOCK)])
-                                if interpret:
-                                    plgpu.wgmma_wait(0)
+                                lhs.append((w, c, a[:, c * QBLOCK:(c + 1) * QBLOCK] * scale))
+                        for w, c, op in lhs:
+                            if interpret:  # the interpreter's wgmma reads its left operand from shared memory
+                                lhs_smem[wg] = op
+                                plgpu.commit_smem()
+                                op = lhs_smem.at[wg]
+                            plgpu.wgmma(accs[w], op, b_smem.at[pl.ds(c * QBLOCK, QBLOCK)])
+                            if interpret:
+                                plgpu.wgmma_wait(0)
                         plgpu.wgmma_wait(0)
                         return accs
 
