@@ -408,9 +408,8 @@ class MoE(nnx.Module):
     def _mgpu_mode(self, c: int, cd) -> str | None:
         """``DSV41_MOE_PREFILL`` for a prefill with ``c``-row expert blocks (``GLU_MIN_ROWS`` and more):
         "mgpu" / "mgpu-glu" (``routed_mgpu``), "mgpu-w2" (``kernels.moe_glu``, then the Mosaic GPU
-        w2) or None
-        (the Triton launches: the default, and wherever the Mosaic GPU kernel does not take the
-        shapes: int8 experts and bf16 only, ``kernels.moe_mgpu.applies``)."""
+        w2) or None (the Triton launches: the default, and wherever the Mosaic GPU kernel does not
+        take the shapes: int8 experts and bf16 only, ``kernels.moe_mgpu.applies``)."""
         from dsv41_jax.kernels import moe_mgpu
         from dsv41_jax.kernels.moe_glu import glu_kernel
 
@@ -430,7 +429,7 @@ class MoE(nnx.Module):
         from dsv41_jax.kernels.moe_mgpu import grouped_matmul_t
 
         y = grouped_matmul_t(ht, blocks, n_used, *kernel_weight(self.experts.w2), bm=c, out_dtype=self.numerics.dtype)
-        return jnp.sum(jnp.take(y, row_of_pair, axis=1).reshape(-1, T, k).astype(F32), axis=2).T
+        return combine_pairs(y.T, row_of_pair, T, k)
 
     def routed_mgpu(self, xa, w, ids, c: int):
         """A prefill's routed experts through ``kernels.moe_mgpu`` (Mosaic GPU, ``DSV41_MOE_PREFILL=mgpu``):
