@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 import types
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,6 +39,12 @@ TOKENS, DENSE_O = 8192, 32768
 IMPL = "triton"
 T0 = time.time()
 OUT = None
+
+# A benchmark that closes over its weights bakes them into the executable as constants: the
+# compile then takes minutes (session 21 lost a device call to 9.3 GB of them). Fail at once instead:
+# every timed input must be an argument.
+jax.config.update("jax_captured_constants_warn_bytes", 64 << 20)
+warnings.filterwarnings("error", message="A large amount of constants were captured")
 
 
 def emit(**row):

@@ -269,7 +269,8 @@ MGPU_VARIANTS = (("w1", "triton"), ("w1", {}), ("w1", dict(steps=3)), ("w1", dic
                  ("w1", dict(tile_m=128, tile_k=128, steps=2)),
                  ("w2", "triton"), ("w2", {}), ("w2", dict(tile_k=128, steps=3)), ("w2", dict(tile_m=128, steps=3)),
                  # (last: the experimental fused kernel, should it deadlock, costs no other row)
-                 ("glu", "triton"), ("glu", {}), ("glu", dict(steps=3)), ("glu", dict(tile_k=128, steps=2)))
+                 ("glu", "triton"), ("glu", dict(steps=2)), ("glu", {}), ("glu", dict(steps=3)),
+                 ("glu", dict(tile_k=128, steps=2)))
 
 
 def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304,
@@ -302,40 +303,41 @@ def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int
             O, K = w["w2" if proj == "w2" else "w1"][0].shape[1:]
             n_proj = 2 if proj == "glu" else 1
             if tiles == "triton" and proj == "glu":
-                def fn(i, s, a, row_token, ws, blocks, n_used):
-                    return moe_glu(a + s.astype(BF16), row_token, ws, blocks, n_used, w["w1"], w["w3"], bm=c,
+                def fn(i, s, a, row_token, ws, blocks, n_used, w1, w3):
+                    return moe_glu(a + s.astype(BF16), row_token, ws, blocks, n_used, w1, w3, bm=c,
                                    limit=limit, impl=IMPL)[:, :8]
-                args = (xtok, row_token, ws, blocks, n_used)
+                args = (xtok, row_token, ws, blocks, n_used, w["w1"], w["w3"])
                 ref[proj] = moe_glu(xtok, row_token, ws, blocks, n_used, w["w1"], w["w3"], bm=c, limit=limit, impl=IMPL)
             elif tiles == "triton":
                 wl = [w["w1"], w["w3"]] if proj == "w1" else [w["w2"]]
                 n_proj = len(wl)
 
-                def fn(i, s, a, blocks, n_used, wl=wl):
+                def fn(i, s, a, blocks, n_used, wl):
                     return Q.grouped_qmatmul_fused(a + s.astype(BF16), blocks, n_used, wl, bm=c, out_dtype=BF16,
                                                    impl=IMPL)[0][:, :8]
-                args = (x[proj], blocks, n_used)
+                args = (x[proj], blocks, n_used, wl)
                 ref[proj] = Q.grouped_qmatmul_fused(x[proj], blocks, n_used, wl[:1], bm=c, out_dtype=BF16, impl=IMPL)[0]
             else:
                 tl = MG.Tiles(**tiles)
+                wts = (w["w1"], w["w3"]) if proj == "glu" else (w[proj],)
                 if proj == "glu":
-                    def run(a, tl=tl):
-                        return MG.grouped_glu_t(a, ws, blocks, n_used, w["w1"], w["w3"], bm=c, limit=limit,
+                    def run(a, wts, tl=tl):
+                        return MG.grouped_glu_t(a, ws, blocks, n_used, *wts, bm=c, limit=limit,
                                                 impl=impl, tiles=tl, num_sms=sms)
                 else:
-                    def run(a, tl=tl, proj=proj):
-                        return MG.grouped_matmul_t(a, blocks, n_used, *w[proj], bm=c, impl=impl, tiles=tl,
+                    def run(a, wts, tl=tl):
+                        return MG.grouped_matmul_t(a, blocks, n_used, *wts[0], bm=c, impl=impl, tiles=tl,
                                                    num_sms=sms)
 
-                def fn(i, s, a, run=run):
-                    return run(a + s.astype(BF16))[:8]
-                args = (x[proj].T,)
+                def fn(i, s, a, wts, run=run):
+                    return run(a + s.astype(BF16), wts)[:8]
+                args = (x[proj].T, wts)
             # (the Mosaic GPU interpreter hangs inside the timing loop: the smoke run only checks values)
             timed = impl == "mosaic" or tiles == "triton"
             t, comp = bq.timeit(fn, *args, reps=3) if timed else (float("nan"), 0.0)
             extra = {}
             if tiles != "triton" and proj in ref:
-                got, want = run(x[proj].T).T[pairs], ref[proj][pairs]
+                got, want = run(x[proj].T, wts).T[pairs], ref[proj][pairs]
                 extra = dict(rel_err=bq.rel_err(got, want),
                              equal_frac=round(float(jnp.mean((got == want).astype(jnp.float32))), 5))
             flops = 2.0 * T * k * O * K * n_proj
@@ -483,6 +485,7 @@ def main():
     ap.add_argument("--part", default="indexer,moe",
                     help="indexer, moe, moedq, mhc, attn, glu, topk, mgpu (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--mgpu-rows", default="", help="indices into MGPU_VARIANTS to run (default: all)")
     a = ap.parse_args()
     emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
     key = jax.random.key(0)
@@ -508,6 +511,8 @@ def main():
                  "glu": lambda k: part_glu(k, k=2, E=4, D=64, Ii=32),
                  "topk": part_topk,
                  "mgpu": lambda k: part_mgpu(k, T=48, c=32, k=2, E=4, D=256, Ii=128)}
+    if a.mgpu_rows:
+        MGPU_VARIANTS = tuple(MGPU_VARIANTS[int(i)] for i in a.mgpu_rows.split(","))
     for part in a.part.split(","):
         parts[part](key)
 

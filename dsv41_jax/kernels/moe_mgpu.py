@@ -174,10 +174,11 @@ def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: floa
     both accumulators, so each token tile is read once for the two weights and g, u never reach
     memory. XLA form: the two products and ``model.moe.swiglu``.
 
-    Not verified on the interpreter: JAX 0.10.2's Mosaic GPU interpreter hangs, nondeterministically
-    (about one run in two), in any kernel whose epilogue reads two accumulators once the pipeline
-    has as many K steps as stages; runs that finish agree with the XLA form (within an ulp of h).
-    The GPU check is ``sweep_prefill.py --part mgpu`` (rel_err / equal_frac against ``moe_glu``)."""
+    Checked in the interpreter with two stages and 32-token blocks only: JAX 0.10.2's Mosaic GPU
+    interpreter deadlocks on this five-operand pipeline from three stages on (K steps at least as
+    many as stages) and with 64-token blocks, also with a one-accumulator epilogue and without the
+    route-weight copy, so the deadlock is the interpreter's. The other tilings are checked on the
+    GPU by ``sweep_prefill.py --part mgpu`` (rel_err / equal_frac against ``moe_glu``)."""
     from dsv41_jax.model.moe import swiglu
 
     impl = kernel_impl(impl)
