@@ -330,7 +330,34 @@ def check_gemm_out(key):
              equal_frac=float(jnp.mean(a == b)), rel_err=rel(a, b))
 
 
+def check_moe_mgpu(D=5120, I=2304, E=64, T=4096, chunk=160):
+    """A prefill's routed experts through ``MoE.routed_pallas`` under each ``DSV41_MOE_PREFILL``
+    (the Mosaic GPU kernels with the row layouts, and the Triton launches) against
+    ``MoE.routed_grouped`` (XLA), in fast and reference numerics: int8 experts at V4.1-Flash widths
+    (5120 -> 2304), 64 of them, 4096 tokens x 6 (160-row blocks, padded and unused blocks)."""
+    import importlib
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    int8_moe = importlib.import_module("test_moe_glu").int8_moe
+    os.environ["DSV41_MOE_CHUNK"] = str(chunk)
+    for numerics in ("bfloat16-fast", "bfloat16-reference"):
+        moe, rng = int8_moe(numerics, 5, hidden_size=D, n_routed_experts=E, num_experts_per_tok=6,
+                            moe_intermediate_size=I)
+        x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+        w, ids = moe.gate(x)
+        want = jax.jit(moe.routed_grouped)(x, w, ids)
+        for mode in ("triton", "mgpu-glu", "mgpu", "mgpu-w2"):
+            os.environ["DSV41_MOE_PREFILL"] = mode
+            got = jax.jit(moe.routed_pallas)(x, w, ids)
+            emit(check="moe_mgpu", numerics=numerics, mode=mode, rel_err=rel(got, want))
+    os.environ.pop("DSV41_MOE_PREFILL")
+    os.environ.pop("DSV41_MOE_CHUNK")
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["moe_mgpu"]:
+        check_moe_mgpu()
+        sys.exit(0)
     if sys.argv[1:] == ["split_tail"]:
         check_split_tail(jax.random.key(9))
         sys.exit(0)

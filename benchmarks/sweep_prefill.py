@@ -270,7 +270,18 @@ MGPU_VARIANTS = (("w1", "triton"), ("w1", {}), ("w1", dict(steps=3)), ("w1", dic
                  ("w2", "triton"), ("w2", {}), ("w2", dict(tile_k=128, steps=3)), ("w2", dict(tile_m=128, steps=3)),
                  # (last: the experimental fused kernel, should it deadlock, costs no other row)
                  ("glu", "triton"), ("glu", dict(steps=2)), ("glu", {}), ("glu", dict(steps=3)),
-                 ("glu", dict(tile_k=128, steps=2)))
+                 ("glu", dict(tile_k=128, steps=2)),
+                 # (16-) the row layouts: tokens read as [rows, K] tiles (x_rows) and results stored
+                 # as rows (out_rows), so the model needs no transposes in XLA
+                 ("w1", dict(x_rows=True)), ("w1", dict(x_rows=True, tile_k=128, steps=3)),
+                 ("w1", dict(x_rows=True, tile_m=128, steps=3)),
+                 ("w2", dict(out_rows=True)), ("w2", dict(out_rows=True, tile_m=128, steps=3)),
+                 ("w2", dict(x_rows=True, out_rows=True)), ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3)),
+                 ("glu", dict(x_rows=True)), ("glu", dict(x_rows=True, steps=3)),
+                 # (25-) the layouts routed_mgpu uses: rows in, rows out
+                 ("glu", dict(x_rows=True, out_rows=True)), ("w1", dict(x_rows=True, out_rows=True)),
+                 ("glu", dict(x_rows=True, out_rows=True, tile_k=128, steps=3)),
+                 ("glu", dict(x_rows=True, out_rows=True, tile_m=128, steps=2)))
 
 
 def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304,
@@ -318,26 +329,31 @@ def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int
                 args = (x[proj], blocks, n_used, wl)
                 ref[proj] = Q.grouped_qmatmul_fused(x[proj], blocks, n_used, wl[:1], bm=c, out_dtype=BF16, impl=IMPL)[0]
             else:
-                tl = MG.Tiles(**tiles)
+                tl = dict(tiles)
+                lay = dict(x_rows=tl.pop("x_rows", False), out_rows=tl.pop("out_rows", False))
+                tl = MG.Tiles(**tl)
                 wts = (w["w1"], w["w3"]) if proj == "glu" else (w[proj],)
                 if proj == "glu":
-                    def run(a, wts, tl=tl):
-                        return MG.grouped_glu_t(a, ws, blocks, n_used, *wts, bm=c, limit=limit,
-                                                impl=impl, tiles=tl, num_sms=sms)
+                    def run(a, wts, tl=tl, lay=lay):  # the result as rows [rows, I]
+                        h = MG.grouped_glu_t(a, ws, blocks, n_used, *wts, bm=c, limit=limit,
+                                             impl=impl, tiles=tl, num_sms=sms, **lay)
+                        return h if lay["out_rows"] else h.T
                 else:
-                    def run(a, wts, tl=tl):
-                        return MG.grouped_matmul_t(a, blocks, n_used, *wts[0], bm=c, impl=impl, tiles=tl,
-                                                   num_sms=sms)
+                    def run(a, wts, tl=tl, lay=lay):  # the result as rows [rows, O]
+                        y = MG.grouped_matmul_t(a, blocks, n_used, *wts[0], bm=c, impl=impl, tiles=tl,
+                                                num_sms=sms, **lay)
+                        return y if lay["out_rows"] else y.T
 
                 def fn(i, s, a, wts, run=run):
                     return run(a + s.astype(BF16), wts)[:8]
-                args = (x[proj].T, wts)
+                xin = x[proj] if lay["x_rows"] else x[proj].T
+                args = (xin, wts)
             # (the Mosaic GPU interpreter hangs inside the timing loop: the smoke run only checks values)
             timed = impl == "mosaic" or tiles == "triton"
             t, comp = bq.timeit(fn, *args, reps=3) if timed else (float("nan"), 0.0)
             extra = {}
             if tiles != "triton" and proj in ref:
-                got, want = run(x[proj].T, wts).T[pairs], ref[proj][pairs]
+                got, want = run(xin, wts)[pairs], ref[proj][pairs]
                 extra = dict(rel_err=bq.rel_err(got, want),
                              equal_frac=round(float(jnp.mean((got == want).astype(jnp.float32))), 5))
             flops = 2.0 * T * k * O * K * n_proj

@@ -80,6 +80,19 @@ def test_lowering_at_flash_shapes_and_errors(monkeypatch):
     monkeypatch.setenv("DSV41_MOE_PREFILL", "cutlass")
     with pytest.raises(ValueError, match="DSV41_MOE_PREFILL"):
         MG.prefill_mode()
+    # the default: the fused Mosaic GPU kernel where it runs on a GPU, the Triton launches elsewhere
+    monkeypatch.delenv("DSV41_MOE_PREFILL")
+    assert MG.prefill_mode() == ("mgpu-glu" if jax.default_backend() == "gpu" else "triton")
+    monkeypatch.setenv("DSV41_MGPU_IMPL", "mosaic")
+    assert MG.prefill_mode() == "mgpu-glu"
+    # per-launch tiles: w2's measured best where it takes the shapes, else the defaults
+    monkeypatch.delenv("DSV41_MGPU_TILES")
+    assert MG.launch_tiles("w2", 5120, 2304, 160, jnp.int8, BF16) == MG.W2_TILES
+    assert MG.launch_tiles("w2", 128, 128, 32, jnp.int8, BF16) == MG.Tiles()
+    assert MG.launch_tiles("w1", 2304, 5120, 160, jnp.int8, BF16) == MG.Tiles()
+    assert MG.launch_tiles("w1", 96, 128, 32, jnp.int8, BF16) is None
+    monkeypatch.setenv("DSV41_MGPU_TILES", '{"steps": 2}')
+    assert MG.launch_tiles("w2", 5120, 2304, 160, jnp.int8, BF16) == MG.Tiles(tile_m=128, steps=2)
 
 
 @pytest.mark.timeout(600)
@@ -187,3 +200,52 @@ def test_glu_kernel_equals_its_xla_form_with_two_stages(limit):
     assert np.all(np.abs(got[:, live] - want[:, live]) <= tol)
     assert np.mean(got[:, live] != want[:, live]) < 1e-2
     assert np.all(got[:, live][:, np.asarray(ws)[live] == 0] == 0)
+
+
+ROW_LAYOUTS = [(True, False), (False, True), (True, True)]
+
+
+@pytest.mark.timeout(600)
+def test_row_results_equal_the_transposed_kernel():
+    """Results stored as rows [R, O] (``out_rows``: the accumulator stored through a transposed
+    view) in the interpreter: bit-equal to the transposed-layout kernel's output (the same products
+    and summation), and within an ulp of the XLA form. Two stages and 32-token blocks (the
+    interpreter's deadlock-free range, see the glu test). Token tiles read as rows (``x_rows``)
+    are not run here: JAX 0.10.2's interpreter cannot take a transposed view as a wgmma operand,
+    and with the chunk copied transposed into a scratch buffer instead it deadlocks on some runs
+    of the same shapes (docs/kernels.md); the GPU rows of ``sweep_prefill.py --part mgpu`` check
+    them against the Triton launches, the next test their lowering."""
+    bm = 32
+    rng = np.random.default_rng(9)
+    xt, bg, codes, scale = _problem(rng, G=3, O=128, K=256, blocks=3, bm=bm)
+    nb = 2
+    kw = dict(bm=bm, tiles=MG.Tiles(steps=2), num_sms=2)
+    base = np.asarray(MG.grouped_matmul_t(xt, bg, nb, codes, scale, impl="interpret", **kw), np.float64)
+    got = np.asarray(MG.grouped_matmul_t(xt, bg, nb, codes, scale, impl="interpret", out_rows=True, **kw), np.float64)
+    want = np.asarray(MG.grouped_matmul_t(xt, bg, nb, codes, scale, bm=bm, impl="xla", out_rows=True), np.float64)
+    assert got.shape == want.shape == (3 * bm, 128)
+    live = slice(0, nb * bm)
+    assert np.array_equal(got[live], base[:, live].T)
+    assert np.all(np.abs(got[live] - want[live]) <= 2.0 ** -7 * np.abs(want[live]) + 1e-30)
+    assert np.mean(got[live] != want[live]) < 1e-2
+
+
+@pytest.mark.parametrize("x_rows,out_rows", ROW_LAYOUTS, ids=[f"x{int(a)}-out{int(b)}" for a, b in ROW_LAYOUTS])
+def test_row_layouts_lower_at_flash_shapes(x_rows, out_rows):
+    """The row layouts lower for CUDA at V4.1-Flash's w1 and w2 shapes (160-row blocks), both
+    tile_m, and the fused GLU kernel with token rows (the layouts ``MoE.routed_mgpu`` uses)."""
+    SD = jax.ShapeDtypeStruct
+    R = 160 * 400
+    for O, K, tiles in ((2304, 5120, MG.Tiles()), (5120, 2304, MG.Tiles(tile_m=128, steps=3))):
+        f = jax.jit(lambda *a, t=tiles: MG.grouped_matmul_t(*a, bm=160, impl="mosaic", tiles=t, num_sms=132,
+                                                            x_rows=x_rows, out_rows=out_rows))
+        args = (SD((R, K) if x_rows else (K, R), BF16), SD((400,), jnp.int32), SD((), jnp.int32),
+                SD((384, O, K), jnp.int8), SD((384, O, K // 32), jnp.uint8))
+        assert jax.eval_shape(f, *args).shape == ((R, O) if out_rows else (O, R))
+        assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    if x_rows and not out_rows:
+        g = jax.jit(lambda *a: MG.grouped_glu_t(*a[:4], (a[4], a[5]), (a[6], a[7]), bm=160, limit=10.0,
+                                                impl="mosaic", num_sms=132, x_rows=True))
+        w = (SD((384, 2304, 5120), jnp.int8), SD((384, 2304, 160), jnp.uint8))
+        args = (SD((R, 5120), BF16), SD((R,), F32), SD((400,), jnp.int32), SD((), jnp.int32), *w, *w)
+        assert "mosaic_gpu" in g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -47,7 +47,7 @@ from dsv41_jax.kernels.qmatmul import QBLOCK, _check, _grouped, default_mult, gr
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 _IMPLS = ("auto", "mosaic", "interpret", "xla")
-_MODES = ("triton", "mgpu", "mgpu-glu", "mgpu-w2")
+_MODES = ("auto", "triton", "mgpu", "mgpu-glu", "mgpu-w2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,26 +61,34 @@ class Tiles:
 
 
 def prefill_mode() -> str:
-    """``DSV41_MOE_PREFILL`` (read at trace time): ``triton`` (default: ``kernels.moe_glu`` and the
-    Triton w2 launch), ``mgpu`` (:func:`grouped_matmul_t` for w1, w3 and w2, XLA's SwiGLU between),
-    ``mgpu-glu`` (:func:`grouped_glu_t` for w1 + w3 + SwiGLU, then w2; experimental: its values
-    are not verified in the interpreter, see :func:`grouped_glu_t`) or ``mgpu-w2`` (``moe_glu``,
-    then this module's kernel for w2 on h's transpose)."""
-    mode = os.environ.get("DSV41_MOE_PREFILL", "triton")
+    """``DSV41_MOE_PREFILL`` (read at trace time): ``auto`` (the default: ``mgpu-glu`` where the
+    kernel runs on a GPU, ``kernel_impl() == "mosaic"``, else ``triton``), ``triton``
+    (``kernels.moe_glu`` and the Triton w2 launch), ``mgpu-glu`` (:func:`grouped_glu_t` for w1 + w3
+    + SwiGLU, then :func:`grouped_matmul_t` for w2), ``mgpu`` (:func:`grouped_matmul_t` for w1, w3
+    and w2, XLA's SwiGLU between) or ``mgpu-w2`` (``moe_glu``, then this module's w2)."""
+    mode = os.environ.get("DSV41_MOE_PREFILL", "auto")
     if mode not in _MODES:
-        raise ValueError(f"DSV41_MOE_PREFILL={mode!r}: use one of {_MODES} (triton: the default)")
+        raise ValueError(f"DSV41_MOE_PREFILL={mode!r}: use one of {_MODES} (auto: the default)")
+    if mode == "auto":
+        mode = "mgpu-glu" if kernel_impl() == "mosaic" else "triton"
     return mode
 
 
-def env_tiles() -> Tiles:
-    """``Tiles`` with the fields ``DSV41_MGPU_TILES`` (JSON, read at trace time) sets."""
+# w2 (5120 x 2304 at V4.1-Flash widths) is fastest with 128-row warpgroup tiles and three stages
+# (run 32, H200: 2.89 ms against 3.26 ms with the defaults); w1, w3 and the fused GLU with the defaults
+W2_TILES = Tiles(tile_m=128, steps=3)
+
+
+def env_tiles(default: Tiles | None = None) -> Tiles:
+    """``default`` (``Tiles()``) with the fields ``DSV41_MGPU_TILES`` (JSON, read at trace time) sets."""
     import json
 
+    default = default or Tiles()
     raw = os.environ.get("DSV41_MGPU_TILES")
     if not raw:
-        return Tiles()
+        return default
     try:
-        return dataclasses.replace(Tiles(), **json.loads(raw))
+        return dataclasses.replace(default, **json.loads(raw))
     except (TypeError, ValueError) as e:
         raise ValueError(f"DSV41_MGPU_TILES={raw!r}: a JSON object of {list(Tiles.__dataclass_fields__)}") from e
 
@@ -96,6 +104,17 @@ def applies(O: int, K: int, bm: int, codes_dtype, x_dtype, tiles: Tiles | None =
         return f"K={K} for tile_k={t.tile_k} (a multiple of 64 dividing K)"
     if bm % 32 or not 32 <= bm <= 256:
         return f"row blocks of {bm} rows (a multiple of 32 up to 256)"
+    return None
+
+
+def launch_tiles(proj: str, O: int, K: int, bm: int, codes_dtype, x_dtype) -> Tiles | None:
+    """A launch's tiles: the measured best for ``proj`` ("w1", "w3", "glu", "w2": ``W2_TILES``)
+    where they take the shapes, else the defaults, ``DSV41_MGPU_TILES`` overriding fields of
+    either; None where the kernel takes neither."""
+    for base in ((W2_TILES, Tiles()) if proj == "w2" else (Tiles(),)):
+        t = env_tiles(base)
+        if applies(O, K, bm, codes_dtype, x_dtype, t) is None:
+            return t
     return None
 
 
@@ -143,17 +162,21 @@ def _num_sms() -> int:
 
 
 def grouped_matmul_t(xt, block_group, n_blocks, codes, scale, *, bm: int, out_dtype=BF16, mult: float | None = None,
-                     impl: str = "auto", tiles: Tiles | None = None, num_sms: int | None = None):
+                     impl: str = "auto", tiles: Tiles | None = None, num_sms: int | None = None,
+                     x_rows: bool = False, out_rows: bool = False):
     """``xt`` [K, R] (bf16) times the int8 expert ``block_group[j]`` of ``codes`` [E, O, K] / ``scale``
-    [E, O, K // 32] for every ``bm``-column block ``j < n_blocks``: [O, R] in ``out_dtype``."""
+    [E, O, K // 32] for every ``bm``-column block ``j < n_blocks``: [O, R] in ``out_dtype``.
+    ``x_rows``: ``xt`` is given as rows, [R, K]; ``out_rows``: the result as rows, [R, O] (the
+    kernel reads / stores its tiles transposed: no transpose in XLA)."""
     codes, scale = _grouped(codes, scale)
-    K, R = xt.shape
+    K, R = xt.shape[::-1] if x_rows else xt.shape
     _check(jax.ShapeDtypeStruct((R, K), xt.dtype), block_group, codes, scale, bm)
     mult = default_mult(codes.dtype) if mult is None else mult
     impl = kernel_impl(impl)
     if impl == "xla":
-        return grouped_matmul_t_reference(xt, block_group, n_blocks, codes, scale, bm=bm, out_dtype=out_dtype,
-                                          mult=mult)
+        y = grouped_qmatmul_reference(xt if x_rows else xt.T, block_group, n_blocks, codes, scale, bm=bm,
+                                      out_dtype=out_dtype, mult=mult)
+        return y if out_rows else y.T
     tiles = tiles or env_tiles()
     E, O, _ = codes.shape
     why = applies(O, K, bm, codes.dtype, xt.dtype, tiles)
@@ -162,17 +185,28 @@ def grouped_matmul_t(xt, block_group, n_blocks, codes, scale, *, bm: int, out_dt
     if why is not None or scale is None:
         raise ValueError(f"grouped_matmul_t: the Mosaic GPU kernel does not apply: {why or 'unscaled weights'}")
     nb = jnp.reshape(jnp.asarray(n_blocks, jnp.int32), (1,))
+    xt, x_rows = _interpreter_layout(xt, x_rows, impl)
     return _call(xt, block_group.astype(jnp.int32), nb, [(codes, scale_t(scale))], bm=bm, mult=mult, tiles=tiles,
-                 num_sms=num_sms or _num_sms(), interpret=impl == "interpret")
+                 num_sms=num_sms or _num_sms(), interpret=impl == "interpret", x_rows=x_rows, out_rows=out_rows)
+
+
+def _interpreter_layout(xt, x_rows: bool, impl: str):
+    """The interpreter reads the tokens as [K, R] tiles: JAX 0.10.2's Mosaic GPU interpreter takes no
+    transposed view as a wgmma operand, and with each chunk copied transposed into a scratch buffer
+    instead it deadlocks on some runs of one shape (docs/kernels.md). So ``x_rows`` is checked by
+    its CUDA lowering and on the GPU (``sweep_prefill.py --part mgpu``), not in the interpreter."""
+    return (xt.T, False) if x_rows and impl == "interpret" else (xt, x_rows)
 
 
 def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: float, impl: str = "auto",
-                  tiles: Tiles | None = None, num_sms: int | None = None):
+                  tiles: Tiles | None = None, num_sms: int | None = None, x_rows: bool = False,
+                  out_rows: bool = False):
     """w1 and w3 in one launch with the SwiGLU in the epilogue: ``dt(ws * swiglu(dt(g), dt(u), limit))``
     [I, R] for ``g``, ``u`` = :func:`grouped_matmul_t` of ``w1`` / ``w3`` ((codes, scale) pairs) and
     ``ws`` [R] the route weight of each column (0 for padding columns). The compute warpgroups hold
     both accumulators, so each token tile is read once for the two weights and g, u never reach
-    memory. XLA form: the two products and ``model.moe.swiglu``.
+    memory. XLA form: the two products and ``model.moe.swiglu``. ``x_rows`` / ``out_rows``: ``xt``
+    given as rows [R, K] / the result as rows [R, I] (as :func:`grouped_matmul_t`).
 
     Checked in the interpreter with two stages and 32-token blocks only: JAX 0.10.2's Mosaic GPU
     interpreter deadlocks on this five-operand pipeline from three stages on (K steps at least as
@@ -185,31 +219,36 @@ def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: floa
     (c1, s1), (c3, s3) = (_grouped(*w) for w in (w1, w3))
     if c1.shape != c3.shape or s1 is None or s3 is None:
         raise ValueError(f"grouped_glu_t: w1 {c1.shape} and w3 {c3.shape} must be scaled int8 weights of one shape")
-    if ws.shape != (xt.shape[1],):
-        raise ValueError(f"grouped_glu_t: route weights {ws.shape} for {xt.shape[1]} columns")
+    K, R = xt.shape[::-1] if x_rows else xt.shape
+    if ws.shape != (R,):
+        raise ValueError(f"grouped_glu_t: route weights {ws.shape} for {R} columns")
     if impl == "xla":
-        g, u = (grouped_matmul_t(xt, block_group, n_blocks, c, sc, bm=bm, impl="xla") for c, sc in ((c1, s1), (c3, s3)))
-        return (ws[None, :].astype(F32) * swiglu(g, u, limit)).astype(BF16)
+        g, u = (grouped_matmul_t(xt, block_group, n_blocks, c, sc, bm=bm, impl="xla", x_rows=x_rows,
+                                 out_rows=out_rows) for c, sc in ((c1, s1), (c3, s3)))
+        w = ws[:, None] if out_rows else ws[None, :]
+        return (w.astype(F32) * swiglu(g, u, limit)).astype(BF16)
     tiles = tiles or env_tiles()
-    K, R = xt.shape
     _check(jax.ShapeDtypeStruct((R, K), xt.dtype), block_group, c1, s1, bm)
     why = applies(c1.shape[1], K, bm, c1.dtype, xt.dtype, tiles)
     if why is not None:
         raise ValueError(f"grouped_glu_t: the Mosaic GPU kernel does not apply: {why}")
     nb = jnp.reshape(jnp.asarray(n_blocks, jnp.int32), (1,))
+    xt, x_rows = _interpreter_layout(xt, x_rows, impl)
     return _call(xt, block_group.astype(jnp.int32), nb, [(c1, scale_t(s1)), (c3, scale_t(s3))], bm=bm,
                  mult=default_mult(c1.dtype), tiles=tiles, num_sms=num_sms or _num_sms(),
-                 interpret=impl == "interpret", glu=(ws.astype(F32), float(limit)))
+                 interpret=impl == "interpret", glu=(ws.astype(F32), float(limit)), x_rows=x_rows,
+                 out_rows=out_rows)
 
 
-def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sms: int, interpret: bool, glu=None):
+def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sms: int, interpret: bool, glu=None,
+          x_rows: bool = False, out_rows: bool = False):
     """The kernel. ``weights``: [(codes, scale bytes as ``scale_t``)], or two of them (w1, w3) with
     ``glu`` = (route weights [R] fp32, swiglu limit): then each compute warpgroup keeps both
     accumulators and its epilogue writes ``dt(w * swiglu(dt(g), dt(u)))``."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    K, R = xt.shape
+    R, K = xt.shape if x_rows else xt.shape[::-1]
     E, O, _ = weights[0][0].shape
     nw = len(weights)
     NB = R // bm
@@ -225,12 +264,15 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
     a_tr = tr(plgpu.find_swizzle(tk * 8, "lhs"), 1)
     # 64-byte swizzle on the token tile: wgmma then takes it 32 inputs (one scale chunk) at a time
     b_tr = tr(64, 2)
-    o_tr = tr(2 * epi, 2)
+    o_tr = tr(128, 2) if out_rows else tr(2 * epi, 2)
     specs = []
     for _ in range(nw):  # (a spec object per operand: the pipeline keeps per-spec state)
         specs += [plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=a_tr, memory_space=plgpu.SMEM),
                   plgpu.BlockSpec((chunks, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM)]
-    specs.append(plgpu.BlockSpec((tk, bm), lambda k: (k, 0), transforms=b_tr, memory_space=plgpu.SMEM))
+    if x_rows:  # [bm, tk] token tiles, given to wgmma as a transposed view, 32 inputs at a time
+        specs.append(plgpu.BlockSpec((bm, tk), lambda k: (0, k), transforms=b_tr, memory_space=plgpu.SMEM))
+    else:
+        specs.append(plgpu.BlockSpec((tk, bm), lambda k: (k, 0), transforms=b_tr, memory_space=plgpu.SMEM))
 
     def kernel(bg_gmem, nb_gmem, *refs, out_smem, lhs_smem, ws_smem=None, ws_bar=None):
         ws_gmem, refs = (refs[0], refs[1:]) if glu is not None else (None, refs)
@@ -287,10 +329,18 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                                 cols = slice(i * epi, (i + 1) * epi)
                                 slot = i % 2
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                                out_smem[wg, slot] = y[:, cols]
+                                if out_rows:  # the tile stored transposed: [tokens, out] in shared memory
+                                    if interpret:  # (no transposed views, no register layouts there)
+                                        out_smem[wg, slot] = y[:, cols].T
+                                    else:  # a register relayout, then a store through a transposed view
+                                        yt = plgpu.layout_cast(y[:, cols], plgpu.Layout.WGMMA_TRANSPOSED)
+                                        plgpu.transpose_ref(out_smem.at[wg, slot], (1, 0))[...] = yt
+                                    dst = out_gmem.at[n_sl, m_sl].at[cols, rows]
+                                else:
+                                    out_smem[wg, slot] = y[:, cols]
+                                    dst = out_gmem.at[m_sl, n_sl].at[rows].at[:, cols]
                                 plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
-                                                        out_gmem.at[m_sl, n_sl].at[rows].at[:, cols])
+                                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
 
                     def body(_, *refs):
                         *smem, accs = refs
@@ -309,7 +359,11 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                                 lhs_smem[wg] = op
                                 plgpu.commit_smem()
                                 op = lhs_smem.at[wg]
-                            plgpu.wgmma(accs[w], op, b_smem.at[pl.ds(c * QBLOCK, QBLOCK)])
+                            if x_rows:
+                                bop = plgpu.transpose_ref(b_smem.at[:, pl.ds(c * QBLOCK, QBLOCK)], (1, 0))
+                            else:
+                                bop = b_smem.at[pl.ds(c * QBLOCK, QBLOCK)]
+                            plgpu.wgmma(accs[w], op, bop)
                             if interpret:
                                 plgpu.wgmma_wait(0)
                         plgpu.wgmma_wait(0)
@@ -318,7 +372,8 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                     operands = []
                     for w in range(nw):
                         operands += [w_gmem[2 * w].at[e, m_sl, :], w_gmem[2 * w + 1].at[e, :, m_sl]]
-                    pipeline(body, context)(*operands, b_gmem.at[:, n_sl], allocations=allocs)
+                    pipeline(body, context)(*operands, b_gmem.at[n_sl, :] if x_rows else b_gmem.at[:, n_sl],
+                                            allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -328,10 +383,11 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
 
         extra["interpret"] = interpret_params.InterpretGPUParams()
     f = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((O, R), BF16), grid=(num_sms,), grid_names=("sm",),
+        kernel, out_type=jax.ShapeDtypeStruct((R, O) if out_rows else (O, R), BF16), grid=(num_sms,),
+        grid_names=("sm",),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=dict(out_smem=plgpu.SMEM((2, 2, tm, epi), BF16, transforms=o_tr),
+        scratch_types=dict(out_smem=plgpu.SMEM((2, 2, epi, tm) if out_rows else (2, 2, tm, epi), BF16, transforms=o_tr),
                            lhs_smem=plgpu.SMEM((2, tm, QBLOCK) if interpret else (2, 8, QBLOCK), BF16,
                                                transforms=tr(64, 2)),
                            **({} if glu is None else dict(ws_smem=plgpu.SMEM((2, bm), F32),

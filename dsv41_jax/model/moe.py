@@ -399,7 +399,7 @@ class MoE(nnx.Module):
             h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
             ha, cd2 = self._aq(h)
         if mgpu == "mgpu-w2":  # the Mosaic GPU w2 on h's transpose (its unwritten rows stay in their own columns)
-            return self._mgpu_w2(ha.astype(cd2).T, blocks, n_used, row_of_pair, c, T, k)
+            return self._mgpu_w2(ha.astype(cd2), blocks, n_used, row_of_pair, c, T, k, x_rows=True)
         # combine_pairs reads the rows of pairs only: unused blocks (and split-off tail rows) of y
         # stay unwritten
         (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c, dead_zeros=False, split_tail=sel)
@@ -416,27 +416,35 @@ class MoE(nnx.Module):
         mode = moe_mgpu.prefill_mode()
         if mode == "triton" or c < GLU_MIN_ROWS or not self.experts.w1.int8:
             return None
-        ex = self.experts
-        t = moe_mgpu.env_tiles()
-        ps = (ex.w2,) if mode == "mgpu-w2" else (ex.w1, ex.w3, ex.w2)
-        fits = all(moe_mgpu.applies(p.weight.shape[1], p.weight.shape[2], c, p.weight.dtype, cd, t) is None
-                   for p in ps)
+        ps = ("w2",) if mode == "mgpu-w2" else ("w1", "w3", "w2")
+        fits = all(self._mgpu_tiles(p, c, cd) is not None for p in ps)
         return mode if fits and (mode != "mgpu-w2" or glu_kernel()) else None
 
-    def _mgpu_w2(self, ht, blocks, n_used, row_of_pair, c: int, T: int, k: int):
-        """w2 on the transposed block layout ``ht`` [I, rows] (``kernels.moe_mgpu``), then each
-        token's k expert outputs summed in fp32, slot order: [T, D]."""
+    def _mgpu_tiles(self, proj: str, c: int, cd=jnp.bfloat16):
+        """``kernels.moe_mgpu.launch_tiles`` for projection ``proj`` of the routed experts (None:
+        the kernel does not take its shapes)."""
+        from dsv41_jax.kernels.moe_mgpu import launch_tiles
+
+        w = getattr(self.experts, "w1" if proj == "glu" else proj).weight
+        return launch_tiles(proj, w.shape[1], w.shape[2], c, w.dtype, cd)
+
+    def _mgpu_w2(self, h, blocks, n_used, row_of_pair, c: int, T: int, k: int, *, x_rows: bool):
+        """w2 (``kernels.moe_mgpu``) on the block layout ``h``: [rows, I] with ``x_rows``, else
+        transposed [I, rows]; its result as rows, then each token's k expert outputs summed in
+        fp32, slot order: [T, D]."""
         from dsv41_jax.kernels.moe_mgpu import grouped_matmul_t
 
-        y = grouped_matmul_t(ht, blocks, n_used, *kernel_weight(self.experts.w2), bm=c, out_dtype=self.numerics.dtype)
-        return combine_pairs(y.T, row_of_pair, T, k)
+        y = grouped_matmul_t(h, blocks, n_used, *kernel_weight(self.experts.w2), bm=c, out_dtype=self.numerics.dtype,
+                             x_rows=x_rows, out_rows=True, tiles=self._mgpu_tiles("w2", c))
+        return combine_pairs(y, row_of_pair, T, k)
 
     def routed_mgpu(self, xa, w, ids, c: int):
-        """A prefill's routed experts through ``kernels.moe_mgpu`` (Mosaic GPU, ``DSV41_MOE_PREFILL=mgpu``):
-        ``routed_grouped``'s block layout kept transposed (tokens as columns) from the gather of the
-        rows to the combine: w1 and w3 launches and XLA's SwiGLU (``mgpu-glu``: one launch with the
-        SwiGLU in its epilogue), XLA's fp8 quantization of h in reference numerics, the w2 launch.
-        Same rounding points as ``routed_dense``. ``xa``: the GEMM input (``_aq``)."""
+        """A prefill's routed experts through ``kernels.moe_mgpu`` (Mosaic GPU, ``DSV41_MOE_PREFILL``
+        ``mgpu-glu`` / ``mgpu``) on ``routed_grouped``'s block layout: one launch for w1 + w3 with the
+        SwiGLU in its epilogue (``mgpu``: a launch each and XLA's SwiGLU), XLA's fp8 quantization of
+        h in reference numerics, the w2 launch. The kernels read the tokens' rows and store rows
+        (their tiles transposed in shared memory), so XLA transposes nothing. Same rounding points
+        as ``routed_dense``. ``xa``: the GEMM input (``_aq``)."""
         from dsv41_jax.kernels.moe_glu import gather_rows
         from dsv41_jax.kernels.moe_mgpu import grouped_glu_t, grouped_matmul_t, prefill_mode
 
@@ -444,16 +452,18 @@ class MoE(nnx.Module):
         ex = self.experts
         T, k = ids.shape
         row_token, ws, row_of_pair, _, blocks, n_used = self._rows(w, ids, c)
-        xt = gather_rows(xa, row_token).T  # [D, rows]
-        # [I, rows]; columns of unused blocks are not written
+        xs = gather_rows(xa, row_token)  # [rows, D]; the kernel reads its token tiles as rows
+        # h [rows, I] (the kernel stores its tiles transposed); rows of unused blocks are not written
         if prefill_mode() == "mgpu-glu":
-            h = grouped_glu_t(xt, ws, blocks, n_used, kernel_weight(ex.w1), kernel_weight(ex.w3), bm=c,
-                              limit=self.limit)
+            h = grouped_glu_t(xs, ws, blocks, n_used, kernel_weight(ex.w1), kernel_weight(ex.w3), bm=c,
+                              limit=self.limit, x_rows=True, out_rows=True, tiles=self._mgpu_tiles("glu", c))
         else:
-            g, u = (grouped_matmul_t(xt, blocks, n_used, *kernel_weight(p), bm=c, out_dtype=dt) for p in (ex.w1, ex.w3))
-            h = (ws[None, :] * swiglu(g, u, self.limit)).astype(dt)
-        ha, cd2 = self._aq(h.T)
-        return self._mgpu_w2(ha.astype(cd2).T, blocks, n_used, row_of_pair, c, T, k)
+            g, u = (grouped_matmul_t(xs, blocks, n_used, *kernel_weight(getattr(ex, p)), bm=c, out_dtype=dt,
+                                     x_rows=True, out_rows=True, tiles=self._mgpu_tiles(p, c))
+                    for p in ("w1", "w3"))
+            h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
+        ha, cd2 = self._aq(h)
+        return self._mgpu_w2(ha.astype(cd2), blocks, n_used, row_of_pair, c, T, k, x_rows=True)
 
     def routed_pallas_with_shared(self, x, w, ids, xq=None):
         """Decode (fewer pairs than experts) with the shared expert's fp8 projections in the routed
