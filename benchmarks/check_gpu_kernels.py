@@ -337,6 +337,8 @@ def check_moe_mgpu(D=5120, I=2304, E=64, T=4096, chunk=160):
     (5120 -> 2304), 64 of them, 4096 tokens x 6 (160-row blocks, padded and unused blocks)."""
     import importlib
 
+    from flax import nnx
+
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     int8_moe = importlib.import_module("test_moe_glu").int8_moe
     os.environ["DSV41_MOE_CHUNK"] = str(chunk)
@@ -345,10 +347,15 @@ def check_moe_mgpu(D=5120, I=2304, E=64, T=4096, chunk=160):
                             moe_intermediate_size=I)
         x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
         w, ids = moe.gate(x)
-        want = jax.jit(moe.routed_grouped)(x, w, ids)
+        # the weights as arguments (a jitted bound method would capture them as constants)
+        gdef, state = nnx.split(moe)
+
+        def run(name):
+            return jax.jit(lambda st, *a: getattr(nnx.merge(gdef, st), name)(*a))(state, x, w, ids)
+        want = run("routed_grouped")
         for mode in ("triton", "mgpu-glu", "mgpu", "mgpu-w2"):
             os.environ["DSV41_MOE_PREFILL"] = mode
-            got = jax.jit(moe.routed_pallas)(x, w, ids)
+            got = run("routed_pallas")
             emit(check="moe_mgpu", numerics=numerics, mode=mode, rel_err=rel(got, want))
     os.environ.pop("DSV41_MOE_PREFILL")
     os.environ.pop("DSV41_MOE_CHUNK")
