@@ -48,6 +48,7 @@ F32 = jnp.float32
 BF16 = jnp.bfloat16
 _IMPLS = ("auto", "mosaic", "interpret", "xla")
 _MODES = ("auto", "triton", "mgpu", "mgpu-glu", "mgpu-w2")
+DEFAULT_MODE = "triton"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +62,18 @@ class Tiles:
 
 
 def prefill_mode() -> str:
-    """``DSV41_MOE_PREFILL`` (read at trace time): ``auto`` (the default: ``mgpu-glu`` where the
-    kernel runs on a GPU, ``kernel_impl() == "mosaic"``, else ``triton``), ``triton``
-    (``kernels.moe_glu`` and the Triton w2 launch), ``mgpu-glu`` (:func:`grouped_glu_t` for w1 + w3
-    + SwiGLU, then :func:`grouped_matmul_t` for w2), ``mgpu`` (:func:`grouped_matmul_t` for w1, w3
-    and w2, XLA's SwiGLU between) or ``mgpu-w2`` (``moe_glu``, then this module's w2)."""
-    mode = os.environ.get("DSV41_MOE_PREFILL", "auto")
+    """``DSV41_MOE_PREFILL`` (read at trace time): ``triton`` (the default: ``kernels.moe_glu`` and
+    the Triton w2 launch), ``auto`` (``mgpu-glu`` where the kernel runs on a GPU,
+    ``kernel_impl() == "mosaic"``, else ``triton``), ``mgpu-glu`` (:func:`grouped_glu_t` for w1 +
+    w3 + SwiGLU, then :func:`grouped_matmul_t` for w2), ``mgpu`` (:func:`grouped_matmul_t` for w1,
+    w3 and w2, XLA's SwiGLU between) or ``mgpu-w2`` (``moe_glu``, then this module's w2).
+
+    ``mgpu-glu`` is 9-11% faster in the 8k prefill (runs 32-33) but stays opt-in until a GPU has
+    checked its values with the row layouts (``x_rows``: the interpreter cannot run them;
+    docs/status.md has the check); then ``DEFAULT_MODE`` becomes ``auto``."""
+    mode = os.environ.get("DSV41_MOE_PREFILL", DEFAULT_MODE)
     if mode not in _MODES:
-        raise ValueError(f"DSV41_MOE_PREFILL={mode!r}: use one of {_MODES} (auto: the default)")
+        raise ValueError(f"DSV41_MOE_PREFILL={mode!r}: use one of {_MODES} ({DEFAULT_MODE}: the default)")
     if mode == "auto":
         mode = "mgpu-glu" if kernel_impl() == "mosaic" else "triton"
     return mode
