@@ -13,8 +13,10 @@ Columns of blocks ``>= n_blocks`` are not written. The same products and roundin
 Why transposed: the weights are the left operand (``wgmma``'s A may come from registers, so the
 int8 codes are dequantized there, 32 inputs at a time with their scale, on the way to the tensor
 cores), and the tokens the right one, read from shared memory as [K, tokens] tiles; the result
-comes out [out, tokens]. Keeping the whole MoE chain in this layout (``xt`` gathered transposed,
-``h`` [I, R], ``y`` [D, R]) needs no transposed stores.
+comes out [out, tokens]. The model's layout is rows, so ``x_rows`` streams [tokens, K] tiles and
+gives wgmma a transposed view of them, and ``out_rows`` stores each result tile through a
+transposed view: rows in, rows out, no transpose in XLA (run 31: those transposes cost more than
+the kernel saved).
 
 A persistent kernel: one CTA per SM walks (row block, 2 x ``tile_m`` output rows) tiles; per tile a
 memory warpgroup streams the weight tile, its scale bytes ([K // 32, out], converted in registers) and the token tile
@@ -25,12 +27,14 @@ through ``max_concurrent_steps`` shared-memory stages while two compute warpgrou
 Implementations: ``"mosaic"`` (a Hopper GPU), ``"interpret"`` (JAX's Mosaic GPU interpreter on
 any backend; it cannot take ``wgmma``'s left operand from registers, so there the dequantized
 chunk goes through a shared-memory buffer: everything else, indexing and pipeline included, is the
-kernel's), ``"xla"`` (:func:`grouped_matmul_t_reference`).
+kernel's; ``x_rows`` runs there on transposed tokens, see ``_interpreter_layout``), ``"xla"``
+(:func:`grouped_matmul_t_reference`).
 
 :func:`grouped_glu_t` runs w1 and w3 in one launch (two accumulators per compute warpgroup) with
-the route-weighted SwiGLU in the epilogue (experimental). Selected by ``DSV41_MOE_PREFILL``
-(``mgpu``, ``mgpu-glu``, ``mgpu-w2``: ``MoE.routed_mgpu``); not the default until it is measured
-faster than ``kernels.moe_glu`` (docs/kernels.md).
+the route-weighted SwiGLU in the epilogue. Selected by ``DSV41_MOE_PREFILL`` (``auto``, ``mgpu``,
+``mgpu-glu``, ``mgpu-w2``: ``MoE.routed_mgpu``); ``mgpu-glu`` is measured 9-11% faster than the
+Triton path in the 8k prefill (runs 32-33) and becomes the default once a GPU has checked the row
+layouts' values (``prefill_mode``, docs/kernels.md).
 """
 from __future__ import annotations
 
