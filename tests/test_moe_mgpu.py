@@ -235,7 +235,7 @@ def test_row_results_equal_the_transposed_kernel():
 @pytest.mark.parametrize("x_rows,out_rows", ROW_LAYOUTS, ids=[f"x{int(a)}-out{int(b)}" for a, b in ROW_LAYOUTS])
 def test_row_layouts_lower_at_flash_shapes(x_rows, out_rows):
     """The row layouts lower for CUDA at V4.1-Flash's w1 and w2 shapes (160-row blocks), both
-    tile_m, and the fused GLU kernel with token rows (the layouts ``MoE.routed_mgpu`` uses)."""
+    tile_m, and the fused GLU kernel rows in and out (the layout ``MoE.routed_mgpu`` uses)."""
     SD = jax.ShapeDtypeStruct
     R = 160 * 400
     for O, K, tiles in ((2304, 5120, MG.Tiles()), (5120, 2304, MG.Tiles(tile_m=128, steps=3))):
@@ -245,9 +245,10 @@ def test_row_layouts_lower_at_flash_shapes(x_rows, out_rows):
                 SD((384, O, K), jnp.int8), SD((384, O, K // 32), jnp.uint8))
         assert jax.eval_shape(f, *args).shape == ((R, O) if out_rows else (O, R))
         assert "mosaic_gpu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    if x_rows and not out_rows:
+    if x_rows and out_rows:
         g = jax.jit(lambda *a: MG.grouped_glu_t(*a[:4], (a[4], a[5]), (a[6], a[7]), bm=160, limit=10.0,
-                                                impl="mosaic", num_sms=132, x_rows=True))
+                                                impl="mosaic", num_sms=132, x_rows=True, out_rows=True))
         w = (SD((384, 2304, 5120), jnp.int8), SD((384, 2304, 160), jnp.uint8))
         args = (SD((R, 5120), BF16), SD((R,), F32), SD((400,), jnp.int32), SD((), jnp.int32), *w, *w)
+        assert jax.eval_shape(g, *args).shape == (R, 2304)
         assert "mosaic_gpu" in g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

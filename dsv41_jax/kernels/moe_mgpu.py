@@ -143,10 +143,12 @@ def _scale_rows(s8, mult: float):
 
 
 def grouped_matmul_t_reference(xt, block_group, n_blocks, codes, scale, *, bm: int, out_dtype=BF16,
-                               mult: float | None = None):
-    """XLA form: ``grouped_qmatmul_reference`` on ``xt.T``, transposed."""
-    return grouped_qmatmul_reference(xt.T, block_group, n_blocks, codes, scale, bm=bm, out_dtype=out_dtype,
-                                     mult=mult).T
+                               mult: float | None = None, x_rows: bool = False, out_rows: bool = False):
+    """XLA form: ``grouped_qmatmul_reference`` on the tokens' rows (``xt.T``, or ``xt`` with
+    ``x_rows``); the result transposed unless ``out_rows``."""
+    y = grouped_qmatmul_reference(xt if x_rows else xt.T, block_group, n_blocks, codes, scale, bm=bm,
+                                  out_dtype=out_dtype, mult=mult)
+    return y if out_rows else y.T
 
 
 def kernel_impl(impl: str = "auto") -> str:
@@ -183,9 +185,8 @@ def grouped_matmul_t(xt, block_group, n_blocks, codes, scale, *, bm: int, out_dt
     mult = default_mult(codes.dtype) if mult is None else mult
     impl = kernel_impl(impl)
     if impl == "xla":
-        y = grouped_qmatmul_reference(xt if x_rows else xt.T, block_group, n_blocks, codes, scale, bm=bm,
-                                      out_dtype=out_dtype, mult=mult)
-        return y if out_rows else y.T
+        return grouped_matmul_t_reference(xt, block_group, n_blocks, codes, scale, bm=bm, out_dtype=out_dtype,
+                                          mult=mult, x_rows=x_rows, out_rows=out_rows)
     tiles = tiles or env_tiles()
     E, O, _ = codes.shape
     why = applies(O, K, bm, codes.dtype, xt.dtype, tiles)

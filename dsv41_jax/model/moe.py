@@ -398,8 +398,8 @@ class MoE(nnx.Module):
             (g, u), _ = qmm(xs, blocks, n_used, (ex.w1, ex.w3), c)
             h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
             ha, cd2 = self._aq(h)
-        if mgpu == "mgpu-w2":  # the Mosaic GPU w2 on h's transpose (its unwritten rows stay in their own columns)
-            return self._mgpu_w2(ha.astype(cd2), blocks, n_used, row_of_pair, c, T, k, x_rows=True)
+        if mgpu == "mgpu-w2":  # the Mosaic GPU w2 on h's rows (unwritten rows stay unread by the combine)
+            return self._mgpu_w2(ha.astype(cd2), blocks, n_used, row_of_pair, c, T, k)
         # combine_pairs reads the rows of pairs only: unused blocks (and split-off tail rows) of y
         # stay unwritten
         (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c, dead_zeros=False, split_tail=sel)
@@ -428,14 +428,13 @@ class MoE(nnx.Module):
         w = getattr(self.experts, "w1" if proj == "glu" else proj).weight
         return launch_tiles(proj, w.shape[1], w.shape[2], c, w.dtype, cd)
 
-    def _mgpu_w2(self, h, blocks, n_used, row_of_pair, c: int, T: int, k: int, *, x_rows: bool):
-        """w2 (``kernels.moe_mgpu``) on the block layout ``h``: [rows, I] with ``x_rows``, else
-        transposed [I, rows]; its result as rows, then each token's k expert outputs summed in
-        fp32, slot order: [T, D]."""
+    def _mgpu_w2(self, h, blocks, n_used, row_of_pair, c: int, T: int, k: int):
+        """w2 (``kernels.moe_mgpu``, rows in and out) on the block layout ``h`` [rows, I], then each
+        token's k expert outputs summed in fp32, slot order: [T, D]."""
         from dsv41_jax.kernels.moe_mgpu import grouped_matmul_t
 
         y = grouped_matmul_t(h, blocks, n_used, *kernel_weight(self.experts.w2), bm=c, out_dtype=self.numerics.dtype,
-                             x_rows=x_rows, out_rows=True, tiles=self._mgpu_tiles("w2", c))
+                             x_rows=True, out_rows=True, tiles=self._mgpu_tiles("w2", c))
         return combine_pairs(y, row_of_pair, T, k)
 
     def routed_mgpu(self, xa, w, ids, c: int):
@@ -463,7 +462,7 @@ class MoE(nnx.Module):
                     for p in ("w1", "w3"))
             h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
         ha, cd2 = self._aq(h)
-        return self._mgpu_w2(ha.astype(cd2), blocks, n_used, row_of_pair, c, T, k, x_rows=True)
+        return self._mgpu_w2(ha.astype(cd2), blocks, n_used, row_of_pair, c, T, k)
 
     def routed_pallas_with_shared(self, x, w, ids, xq=None):
         """Decode (fewer pairs than experts) with the shared expert's fp8 projections in the routed
