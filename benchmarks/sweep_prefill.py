@@ -281,7 +281,11 @@ MGPU_VARIANTS = (("w1", "triton"), ("w1", {}), ("w1", dict(steps=3)), ("w1", dic
                  # (25-) the layouts routed_mgpu uses: rows in, rows out
                  ("glu", dict(x_rows=True, out_rows=True)), ("w1", dict(x_rows=True, out_rows=True)),
                  ("glu", dict(x_rows=True, out_rows=True, tile_k=128, steps=3)),
-                 ("glu", dict(x_rows=True, out_rows=True, tile_m=128, steps=2)))
+                 ("glu", dict(x_rows=True, out_rows=True, tile_m=128, steps=2)),
+                 # (29-) longer K steps on the rows layouts (session 24)
+                 ("w2", dict(x_rows=True, out_rows=True, tile_k=128, steps=3)),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, tile_k=128, steps=2)),
+                 ("glu", dict(x_rows=True, out_rows=True, tile_k=128, steps=2)))
 
 
 def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304,

@@ -80,11 +80,13 @@ def test_lowering_at_flash_shapes_and_errors(monkeypatch):
     monkeypatch.setenv("DSV41_MOE_PREFILL", "cutlass")
     with pytest.raises(ValueError, match="DSV41_MOE_PREFILL"):
         MG.prefill_mode()
-    # the default: the Triton launches; auto: the fused Mosaic GPU kernel where it runs on a GPU
+    # the default, auto: the fused Mosaic GPU kernel where it runs on a GPU, else the Triton launches
     monkeypatch.delenv("DSV41_MOE_PREFILL")
-    assert MG.prefill_mode() == "triton" == MG.DEFAULT_MODE
-    monkeypatch.setenv("DSV41_MOE_PREFILL", "auto")
+    assert MG.DEFAULT_MODE == "auto"
     assert MG.prefill_mode() == ("mgpu-glu" if jax.default_backend() == "gpu" else "triton")
+    monkeypatch.setenv("DSV41_MOE_PREFILL", "triton")
+    assert MG.prefill_mode() == "triton"
+    monkeypatch.delenv("DSV41_MOE_PREFILL")
     monkeypatch.setenv("DSV41_MGPU_IMPL", "mosaic")
     assert MG.prefill_mode() == "mgpu-glu"
     # per-launch tiles: w2's measured best where it takes the shapes, else the defaults
