@@ -83,12 +83,18 @@ def test_lowering_at_flash_shapes_and_errors(monkeypatch):
     # the default, auto: the fused Mosaic GPU kernel where it runs on a GPU, else the Triton launches
     monkeypatch.delenv("DSV41_MOE_PREFILL")
     assert MG.DEFAULT_MODE == "auto"
-    assert MG.prefill_mode() == ("mgpu-glu" if jax.default_backend() == "gpu" else "triton")
+    assert MG.prefill_mode() == ("mgpu-glu" if jax.default_backend() == "gpu" and MG._has_wgmma() else "triton")
     monkeypatch.setenv("DSV41_MOE_PREFILL", "triton")
     assert MG.prefill_mode() == "triton"
     monkeypatch.delenv("DSV41_MOE_PREFILL")
     monkeypatch.setenv("DSV41_MGPU_IMPL", "mosaic")
     assert MG.prefill_mode() == "mgpu-glu"
+    # auto on a GPU: the kernel only where wgmma exists (compute capability 9.x), else the Triton launches
+    with monkeypatch.context() as m:
+        m.setattr(jax, "default_backend", lambda: "gpu")
+        for cap, mode in (("9.0", "mgpu-glu"), ("10.0", "triton"), ("8.0", "triton")):
+            m.setattr(jax, "devices", lambda cap=cap: [type("Dev", (), {"compute_capability": cap})()])
+            assert MG.prefill_mode() == mode, cap
     # per-launch tiles: w2's measured best where it takes the shapes, else the defaults
     monkeypatch.delenv("DSV41_MGPU_TILES")
     assert MG.launch_tiles("w2", 5120, 2304, 160, jnp.int8, BF16) == MG.W2_TILES
