@@ -260,3 +260,22 @@ def test_row_layouts_lower_at_flash_shapes(x_rows, out_rows):
         args = (SD((R, 5120), BF16), SD((R,), F32), SD((400,), jnp.int32), SD((), jnp.int32), *w, *w)
         assert jax.eval_shape(g, *args).shape == (R, 2304)
         assert "mosaic_gpu" in g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_gather_used_rows_lowers_and_falls_back():
+    """The Pallas gather of the used blocks' rows (``moe_glu.gather_used_rows``) lowers for CUDA at
+    an 8k prefill of V4.1-Flash (691 blocks of 160 rows, hidden 5120); off the GPU (and in the
+    interpreter, which has no pointer gather) it is XLA's ``gather_rows``. Its values are checked
+    on the GPU by ``benchmarks/probe_gather_rows.py`` (run 34: equal on every used row)."""
+    from dsv41_jax.kernels.moe_glu import gather_rows, gather_used_rows
+
+    SD = jax.ShapeDtypeStruct
+    f = jax.jit(lambda x, r, n: gather_used_rows(x, r, n, bm=160, impl="triton"))
+    txt = f.trace(SD((8192, 5120), BF16), SD((691 * 160,), jnp.int32), SD((), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "gather_used_rows" in txt
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((40, 512)), BF16)
+    rt = jnp.asarray(np.where(rng.random(4 * 48) < 0.8, rng.integers(0, 40, 4 * 48), -1), jnp.int32)
+    for impl in ("xla", "interpret"):
+        assert np.array_equal(np.asarray(gather_used_rows(x, rt, 3, bm=48, impl=impl)), np.asarray(gather_rows(x, rt)))

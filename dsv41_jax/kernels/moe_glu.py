@@ -64,6 +64,41 @@ def gather_rows(x, row_token):
     return jnp.take(x, jnp.where(row_token >= 0, row_token, x.shape[0]), axis=0, mode="fill", fill_value=0)
 
 
+def gather_used_rows(x, row_token, n_blocks, *, bm: int, impl: str = "auto", cols: int = 512):
+    """:func:`gather_rows` for a kernel that reads only the first ``n_blocks`` ``bm``-row blocks
+    (``kernels.moe_mgpu``): a Pallas (Triton) gather that writes those blocks' rows (zeros for
+    their padding rows) and leaves the rows of the later blocks unwritten. The block layout is
+    sized for the worst case (``N // bm + min(E, N)`` blocks: at an 8k prefill of V4.1-Flash
+    691 blocks for ~384 used), so XLA's gather wrote ~1.8x the rows any kernel reads. ``impl``:
+    ``kernel_impl()``'s; off the GPU, and in the interpreter (which has no pointer gather), the XLA
+    gather (every row, the same values in the used ones)."""
+    import jax.experimental.pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    impl = kernel_impl(impl)
+    R, (T, D) = row_token.shape[0], x.shape
+    main, tail = row_tiles(bm)
+    if impl != "triton" or main + tail != bm or R % bm or D % cols:
+        return gather_rows(x, row_token)
+    parts = [(0, main)] + ([(main, tail)] if tail else [])
+
+    def kernel(nb_ref, tok_ref, x_ref, o_ref):
+        j, ci = pl.program_id(0), pl.program_id(1)
+        c0 = pl.multiple_of(ci * cols, cols)
+
+        @pl.when(j < nb_ref[0])
+        def _used():
+            for off, n in parts:
+                tok = tok_ref[pl.ds(j * bm + off, n)]
+                ok = tok >= 0
+                rows = _load(x_ref.at[jnp.maximum(tok, 0), pl.ds(c0, cols)], ok[:, None], 0)  # a pointer gather
+                o_ref[pl.ds(j * bm + off, n), pl.ds(c0, cols)] = rows
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((R, D), x.dtype), grid=(R // bm, D // cols),
+                          name="gather_used_rows", compiler_params=plgpu.CompilerParams(num_warps=4))(
+        jnp.asarray(n_blocks, jnp.int32).reshape(1), row_token.astype(jnp.int32), x)
+
+
 def moe_glu_reference(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int, limit: float,
                       out_dtype=None, mult: float | None = None, act_quant: bool = False):
     """XLA form of :func:`moe_glu`: gather, ``grouped_qmatmul_reference`` for each weight, SwiGLU
