@@ -262,12 +262,14 @@ def test_row_layouts_lower_at_flash_shapes(x_rows, out_rows):
         assert "mosaic_gpu" in g.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_gather_used_rows_lowers_and_falls_back():
+def test_gather_used_rows_lowers_and_falls_back(monkeypatch):
     """The Pallas gather of the used blocks' rows (``moe_glu.gather_used_rows``) lowers for CUDA at
     an 8k prefill of V4.1-Flash (691 blocks of 160 rows, hidden 5120); off the GPU (and in the
-    interpreter, which has no pointer gather) it is XLA's ``gather_rows``. Its values are checked
-    on the GPU by ``benchmarks/probe_gather_rows.py`` (run 34: equal on every used row)."""
-    from dsv41_jax.kernels.moe_glu import gather_rows, gather_used_rows
+    interpreter, which has no pointer gather) it is XLA's gather, equal to numpy's row gather
+    (zeros for padding rows). Its kernel values are checked on the GPU by
+    ``benchmarks/probe_gather_rows.py`` (run 34: equal on every used row). A bad
+    ``DSV41_MOE_GATHER``: one clear error."""
+    from dsv41_jax.kernels.moe_glu import gather_kernel, gather_used_rows
 
     SD = jax.ShapeDtypeStruct
     f = jax.jit(lambda x, r, n: gather_used_rows(x, r, n, bm=160, impl="triton"))
@@ -277,5 +279,12 @@ def test_gather_used_rows_lowers_and_falls_back():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((40, 512)), BF16)
     rt = jnp.asarray(np.where(rng.random(4 * 48) < 0.8, rng.integers(0, 40, 4 * 48), -1), jnp.int32)
+    want = np.where(np.asarray(rt)[:, None] >= 0, np.asarray(x, np.float32)[np.maximum(np.asarray(rt), 0)], 0)
     for impl in ("xla", "interpret"):
-        assert np.array_equal(np.asarray(gather_used_rows(x, rt, 3, bm=48, impl=impl)), np.asarray(gather_rows(x, rt)))
+        assert np.array_equal(np.asarray(gather_used_rows(x, rt, 3, bm=48, impl=impl), np.float32), want)
+    assert gather_kernel()
+    monkeypatch.setenv("DSV41_MOE_GATHER", "xla")
+    assert not gather_kernel()
+    monkeypatch.setenv("DSV41_MOE_GATHER", "pallas")
+    with pytest.raises(ValueError, match="DSV41_MOE_GATHER"):
+        gather_kernel()

@@ -6,7 +6,7 @@ from dsv41_jax.kernels.mhc_mix import hc_mix_sums, hc_mix_sums_reference
 from dsv41_jax.kernels.qmatmul import (dequantize, grouped_qmatmul, grouped_qmatmul_fused, grouped_qmatmul_multi,
                                       grouped_qmatmul_reference, kernel_impl, offsets_fit)
 
-__all__ = ["auto_split", "dequantize", "fused_launches", "grouped_qmatmul", "grouped_qmatmul_fused",
+__all__ = ["auto_split", "compute_capability", "dequantize", "fused_launches", "grouped_qmatmul", "grouped_qmatmul_fused",
            "grouped_qmatmul_multi", "grouped_qmatmul_reference", "hc_mix_sums", "hc_mix_sums_reference",
            "indexer_scores", "indexer_scores_reference", "kernel_impl", "kernel_switch", "offsets_fit", "use_pallas"]
 
@@ -28,11 +28,17 @@ def use_pallas() -> bool:
         return False
     if mode == "pallas":
         return True
+    return compute_capability() >= _MIN_CAPABILITY
+
+
+def compute_capability() -> float:
+    """The first device's CUDA compute capability (e.g. 9.0 on Hopper); 0.0 where it has none."""
+    import jax
+
     try:
-        cap = float(getattr(jax.devices()[0], "compute_capability", "0") or 0)
+        return float(getattr(jax.devices()[0], "compute_capability", "0") or 0)
     except (TypeError, ValueError):
-        cap = 0.0
-    return cap >= _MIN_CAPABILITY
+        return 0.0
 
 
 def fused_launches() -> bool:

@@ -59,6 +59,18 @@ def glu_kernel() -> bool:
     return mode == "1"
 
 
+def gather_kernel() -> bool:
+    """Whether ``MoE.routed_mgpu`` forms its token rows with :func:`gather_used_rows` on the GPU
+    (``DSV41_MOE_GATHER``: ``kernel``, the default, or ``xla``: XLA's gather of every row, for A/B
+    runs); read at trace time."""
+    import os
+
+    mode = os.environ.get("DSV41_MOE_GATHER", "kernel")
+    if mode not in ("kernel", "xla"):
+        raise ValueError(f"DSV41_MOE_GATHER={mode!r}: use kernel (the default) or xla")
+    return mode == "kernel"
+
+
 def gather_rows(x, row_token):
     """x's rows by ``row_token`` (zeros for -1): the block layout's inputs as XLA forms them."""
     return jnp.take(x, jnp.where(row_token >= 0, row_token, x.shape[0]), axis=0, mode="fill", fill_value=0)
@@ -76,7 +88,7 @@ def gather_used_rows(x, row_token, n_blocks, *, bm: int, impl: str = "auto", col
     from jax.experimental.pallas import triton as plgpu
 
     impl = kernel_impl(impl)
-    R, (T, D) = row_token.shape[0], x.shape
+    R, D = row_token.shape[0], x.shape[1]
     main, tail = row_tiles(bm)
     if impl != "triton" or main + tail != bm or R % bm or D % cols:
         return gather_rows(x, row_token)

@@ -87,13 +87,9 @@ def prefill_mode() -> str:
 def _has_wgmma() -> bool:
     """Whether the device is a Hopper GPU (compute capability 9.x: ``wgmma``); True off the GPU,
     where ``kernel_impl()`` is ``mosaic`` only when ``DSV41_MGPU_IMPL`` asks for it (CUDA lowering)."""
-    if jax.default_backend() != "gpu":
-        return True
-    try:
-        cap = float(getattr(jax.devices()[0], "compute_capability", "0") or 0)
-    except (TypeError, ValueError):
-        return False
-    return 9.0 <= cap < 10.0
+    from dsv41_jax.kernels import compute_capability
+
+    return jax.default_backend() != "gpu" or 9.0 <= compute_capability() < 10.0
 
 
 # w2 (5120 x 2304 at V4.1-Flash widths) is fastest with 128-row warpgroup tiles and three stages

@@ -444,7 +444,7 @@ class MoE(nnx.Module):
         h in reference numerics, the w2 launch. The kernels read the tokens' rows and store rows
         (their tiles transposed in shared memory), so XLA transposes nothing. Same rounding points
         as ``routed_dense``. ``xa``: the GEMM input (``_aq``)."""
-        from dsv41_jax.kernels.moe_glu import gather_used_rows
+        from dsv41_jax.kernels.moe_glu import gather_kernel, gather_used_rows
         from dsv41_jax.kernels.moe_mgpu import grouped_glu_t, grouped_matmul_t, prefill_mode
 
         dt = self.numerics.dtype
@@ -452,12 +452,8 @@ class MoE(nnx.Module):
         T, k = ids.shape
         row_token, ws, row_of_pair, _, blocks, n_used = self._rows(w, ids, c)
         # [rows, D] (the kernel reads its token tiles as rows); on the GPU only the used blocks'
-        # rows are written, the kernels read no other (``DSV41_MOE_GATHER=xla``: XLA's gather of
-        # every row, for A/B runs; read at trace time)
-        gather = os.environ.get("DSV41_MOE_GATHER", "kernel")
-        if gather not in ("kernel", "xla"):
-            raise ValueError(f"DSV41_MOE_GATHER={gather!r}: use kernel (the default) or xla")
-        xs = gather_used_rows(xa, row_token, n_used, bm=c, impl="xla" if gather == "xla" else "auto")
+        # rows are written, the kernels read no other
+        xs = gather_used_rows(xa, row_token, n_used, bm=c, impl="auto" if gather_kernel() else "xla")
         # h [rows, I] (the kernel stores its tiles transposed); rows of unused blocks are not written
         if prefill_mode() == "mgpu-glu":
             h = grouped_glu_t(xs, ws, blocks, n_used, kernel_weight(ex.w1), kernel_weight(ex.w3), bm=c,
