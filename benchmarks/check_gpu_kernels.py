@@ -357,8 +357,31 @@ def check_moe_mgpu(D=5120, I=2304, E=64, T=4096, chunk=160):
             os.environ["DSV41_MOE_PREFILL"] = mode
             got = run("routed_pallas")
             emit(check="moe_mgpu", numerics=numerics, mode=mode, rel_err=rel(got, want))
-    os.environ.pop("DSV41_MOE_PREFILL")
-    os.environ.pop("DSV41_MOE_CHUNK")
+        # the scales kept in the kernel's layout (moe.keep_kernel_scales) and h's quantization of
+        # the used rows (quant_used_rows): the same values as the per-call transposes and XLA's
+        os.environ["DSV41_MOE_PREFILL"] = "mgpu-glu"
+        os.environ.update(DSV41_MGPU_SCALES="transpose", DSV41_MOE_HQUANT="xla")
+        base = run("routed_pallas")
+        from dsv41_jax.model.moe import keep_kernel_scales
+
+        keep_kernel_scales(moe, force=True)
+        gdef, state = nnx.split(moe)
+        os.environ.update(DSV41_MGPU_SCALES="kept", DSV41_MOE_HQUANT="kernel")
+        got = run("routed_pallas")
+        emit(check="moe_mgpu_kept_scales", numerics=numerics, equal_frac=float(jnp.mean(got == base)),
+             rel_err=rel(got, want))
+    from dsv41_jax import quant
+    from dsv41_jax.kernels.moe_glu import quant_used_rows
+
+    h = jax.random.normal(jax.random.key(4), (691 * chunk, I), jnp.float32)
+    h = (h * jnp.exp2(jax.random.randint(jax.random.key(5), (691 * chunk, 1), -20, 12))).astype(jnp.bfloat16)
+    nb = 400
+    q = jax.jit(lambda a, n: quant_used_rows(a, n, bm=chunk))(h, nb)
+    ref = quant.act_quant_fp8(h.astype(jnp.float32), 32).astype(jnp.bfloat16)
+    emit(check="quant_used_rows", used_equal_frac=float(jnp.mean(q[:nb * chunk] == ref[:nb * chunk])),
+         rest_unchanged_frac=float(jnp.mean(q[nb * chunk:] == h[nb * chunk:])))
+    for k in ("DSV41_MOE_PREFILL", "DSV41_MOE_CHUNK", "DSV41_MGPU_SCALES", "DSV41_MOE_HQUANT"):
+        os.environ.pop(k)
 
 
 if __name__ == "__main__":

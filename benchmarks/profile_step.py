@@ -318,6 +318,9 @@ def main():
     bs.mark_release_quantized(model)
     if a.router == "balanced":
         bs.balance_router(model, cfg)
+    from dsv41_jax.model.moe import keep_kernel_scales
+
+    keep_kernel_scales(model)  # as api.load does on one device
     graphdef, state = _split(model)
     env = {k: v for k, v in os.environ.items() if k.startswith(("DSV41_", "XLA_FLAGS"))}
     seen: dict = {}

@@ -75,6 +75,9 @@ RULES: tuple[tuple[str, tuple], ...] = (
     (r"\.ffn\.gate\.(weight|bias|bias_vl)$", REPLICATED),
     (r"\.ffn\.experts\.w[13]\.(weight|scale)$", ("experts", "expert_ffn", None)),
     (r"\.ffn\.experts\.w2\.(weight|scale)$", ("experts", None, "expert_ffn")),
+    # (the scales' copies in the prefill kernel's layout [E, in / 32, out], ``moe.keep_kernel_scales``)
+    (r"\.ffn\.experts\.w[13]\.scale_k$", ("experts", None, "expert_ffn")),
+    (r"\.ffn\.experts\.w2\.scale_k$", ("experts", "expert_ffn", None)),
     (r"\.ffn\.shared_experts\.w[13]\.(weight|scale)$", ("ffn", None)),
     (r"\.ffn\.shared_experts\.w2\.(weight|scale)$", (None, "ffn")),
     # --- mHC and norms: small, replicated

@@ -288,3 +288,97 @@ def test_gather_used_rows_lowers_and_falls_back(monkeypatch):
     monkeypatch.setenv("DSV41_MOE_GATHER", "pallas")
     with pytest.raises(ValueError, match="DSV41_MOE_GATHER"):
         gather_kernel()
+
+
+def test_quant_used_rows(monkeypatch):
+    """The fp8 quantization of h for the Mosaic GPU w2 launch (``moe_glu.quant_used_rows``) in the
+    Pallas interpreter: rows of the used blocks (48-row blocks = a 32-row and a 16-row tile, zero
+    padding rows, values across many binades) equal ``quant.act_quant_fp8``'s bit for bit, the
+    later rows are left as they were (in place); the XLA form quantizes every row; it lowers for
+    CUDA at an 8k prefill of V4.1-Flash (intermediate 2304: 256-column tiles). A bad
+    ``DSV41_MOE_HQUANT``: one clear error."""
+    from dsv41_jax import quant
+    from dsv41_jax.kernels.moe_glu import quant_used_rows
+    from dsv41_jax.model.moe import hquant_kernel
+
+    rng = np.random.default_rng(5)
+    bm, nb, I = 48, 3, 256
+    h = rng.standard_normal((4 * bm, I)) * np.exp2(rng.integers(-20, 12, (4 * bm, 1)))
+    h[rng.random(4 * bm) < 0.2] = 0.0
+    h = jnp.asarray(h, BF16)
+    want = np.asarray(quant.act_quant_fp8(h.astype(F32), 32).astype(BF16), np.float32)
+    assert not np.array_equal(want, np.asarray(h, np.float32))  # the quantization moves values
+    got = np.asarray(jax.jit(lambda a, n: quant_used_rows(a, n, bm=bm, impl="interpret"))(h, nb), np.float32)
+    assert np.array_equal(got[:nb * bm], want[:nb * bm])
+    assert np.array_equal(got[nb * bm:], np.asarray(h, np.float32)[nb * bm:])
+    assert np.array_equal(np.asarray(quant_used_rows(h, nb, bm=bm, impl="xla"), np.float32), want)
+    SD = jax.ShapeDtypeStruct
+    f = jax.jit(lambda a, n: quant_used_rows(a, n, bm=160, impl="triton"))
+    assert "quant_used_rows" in f.trace(SD((691 * 160, 2304), BF16), SD((), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert hquant_kernel()
+    monkeypatch.setenv("DSV41_MOE_HQUANT", "xla")
+    assert not hquant_kernel()
+    monkeypatch.setenv("DSV41_MOE_HQUANT", "triton")
+    with pytest.raises(ValueError, match="DSV41_MOE_HQUANT"):
+        hquant_kernel()
+
+
+def _fake_mgpu_call(xt, block_group, nb, weights, *, bm, mult, glu=None, x_rows=False, out_rows=False, **_):
+    """``moe_mgpu._call`` computed by XLA from the scale operand the kernel would read ([E, K/32, O]):
+    a stand-in that shows which scales reach the kernel."""
+    from dsv41_jax.model.moe import swiglu
+
+    ys = [MG.grouped_matmul_t_reference(xt, block_group, nb[0], c, jnp.swapaxes(sk, 1, 2), bm=bm, mult=mult,
+                                        x_rows=x_rows, out_rows=out_rows) for c, sk in weights]
+    if glu is None:
+        return ys[0]
+    w = glu[0][:, None] if out_rows else glu[0][None, :]
+    return (w * swiglu(ys[0], ys[1], glu[1])).astype(BF16)
+
+
+def test_kept_kernel_scales_reach_the_kernel(monkeypatch):
+    """``moe.keep_kernel_scales`` gives every int8 projection its scales in the kernel's layout
+    (``scale_t`` of ``scale``, not a Param: not saved); a prefill through ``MoE.routed_mgpu``
+    (mgpu-glu, reference numerics, h quantized by ``quant_used_rows`` in the interpreter) hands the
+    kernel those copies: with a stand-in kernel that computes from the scale operand it gets, the
+    output equals the per-call transposes' (``DSV41_MGPU_SCALES=transpose``, with XLA's h
+    quantization, ``DSV41_MOE_HQUANT=xla``) bit for bit, and a corrupted copy changes it.
+    ``drop_kernel_scales`` removes them; a copy of the wrong shape: one clear error."""
+    from flax import nnx
+
+    from dsv41_jax.model import moe as M
+    from test_moe_glu import int8_moe
+
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    monkeypatch.setenv("DSV41_MGPU_IMPL", "mosaic")
+    monkeypatch.setenv("DSV41_MOE_CHUNK", "32")
+    monkeypatch.setattr(MG, "_call", _fake_mgpu_call)
+    moe, rng = int8_moe("bfloat16-reference", 4, hidden_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=128)
+    x = jnp.asarray(rng.standard_normal((40, 128)), BF16)
+    w, ids = moe.gate(x)
+    assert M.keep_kernel_scales(moe) == 3 * 8 * 128 * 4
+    for p in (moe.experts.w1, moe.experts.w2, moe.experts.w3):
+        assert np.array_equal(np.asarray(p.scale_k[...]), np.swapaxes(np.asarray(p.scale[...]), 1, 2))
+    assert not any("scale_k" in ".".join(map(str, k)) for k, _ in nnx.to_flat_state(nnx.state(moe, nnx.Param)))
+    assert M.kernel_scales_mode() == "kept"
+    kept = np.asarray(jax.jit(moe.routed_pallas)(x, w, ids), np.float32)
+    monkeypatch.setenv("DSV41_MGPU_SCALES", "transpose")
+    monkeypatch.setenv("DSV41_MOE_HQUANT", "xla")
+    assert np.array_equal(np.asarray(jax.jit(moe.routed_pallas)(x, w, ids), np.float32), kept)
+    monkeypatch.delenv("DSV41_MGPU_SCALES")
+    monkeypatch.delenv("DSV41_MOE_HQUANT")
+    moe.experts.w2.scale_k.set_value(moe.experts.w2.scale_k[...] + 1)
+    assert not np.array_equal(np.asarray(jax.jit(moe.routed_pallas)(x, w, ids), np.float32), kept)
+    from dsv41_jax.sharding import match_rule
+
+    assert match_rule("layers.0.ffn.experts.w3.scale_k") == ("experts", None, "expert_ffn")
+    assert match_rule("layers.0.ffn.experts.w2.scale_k") == ("experts", "expert_ffn", None)
+    assert M.drop_kernel_scales(moe) == 3 and moe.experts.w1.scale_k is None
+    c, s = M.kernel_weight(moe.experts.w2)
+    with pytest.raises(ValueError, match="kernel-layout scales"):
+        MG.grouped_matmul_t(x[:32], jnp.zeros((1,), jnp.int32), 1, c, s, bm=32, x_rows=True, scale_k=s)
+    monkeypatch.setenv("DSV41_MGPU_SCALES", "both")
+    with pytest.raises(ValueError, match="DSV41_MGPU_SCALES"):
+        M.kernel_scales_mode()

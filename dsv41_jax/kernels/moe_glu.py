@@ -111,6 +111,45 @@ def gather_used_rows(x, row_token, n_blocks, *, bm: int, impl: str = "auto", col
         jnp.asarray(n_blocks, jnp.int32).reshape(1), row_token.astype(jnp.int32), x)
 
 
+def quant_used_rows(h, n_blocks, *, bm: int, impl: str = "auto", cols: int = 512):
+    """``quant.act_quant_fp8(h, 32)`` (fp8 e4m3 per 32 columns with a ue8m0 scale, returned
+    dequantized in ``h.dtype``) of the rows a kernel reading only the first ``n_blocks`` ``bm``-row
+    blocks sees (the Mosaic GPU w2 launch of ``MoE.routed_mgpu``, reference numerics): one Pallas
+    pass that reads and writes those blocks' rows in place and leaves the later rows as they are.
+    XLA's quantization took two reads and a write of every row of the worst-case layout (~0.45 ms
+    per V4.1-Flash layer at an 8k prefill, run 34). The e4m3 rounding is ``kernel_fp8_round()``'s,
+    the values ``act_quant_fp8``'s. ``impl``: ``kernel_impl()``'s ("triton", "interpret": the
+    kernel; "xla": ``act_quant_fp8`` of every row)."""
+    import jax.experimental.pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    impl = kernel_impl(impl)
+    R, I = h.shape
+    main, tail = row_tiles(bm)
+    cols = _largest_pow2_divisor(I, cols)
+    if impl == "xla" or main + tail != bm or R % bm or cols < QBLOCK:
+        return quant.act_quant_fp8(h.astype(F32), QBLOCK).astype(h.dtype)
+    parts = [(0, main)] + ([(main, tail)] if tail else [])
+    fp8_round = quant.kernel_fp8_round()
+
+    def kernel(nb_ref, h_ref, o_ref):
+        j, ci = pl.program_id(0), pl.program_id(1)
+        c0 = pl.multiple_of(ci * cols, cols)
+
+        @pl.when(j < nb_ref[0])
+        def _used():
+            for off, n in parts:
+                at = (pl.ds(j * bm + off, n), pl.ds(c0, cols))
+                hb = h_ref[at].astype(F32).reshape(n, cols // QBLOCK, QBLOCK)
+                amax = jnp.max(jnp.abs(hb), axis=-1, keepdims=True)
+                o_ref[at] = fp8_round(hb, amax).reshape(n, cols).astype(o_ref.dtype)
+
+    kw = {} if impl == "interpret" else dict(compiler_params=plgpu.CompilerParams(num_warps=4))
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((R, I), h.dtype), grid=(R // bm, I // cols),
+                          input_output_aliases={1: 0}, interpret=impl == "interpret", name="quant_used_rows",
+                          **kw)(jnp.asarray(n_blocks, jnp.int32).reshape(1), h)
+
+
 def moe_glu_reference(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int, limit: float,
                       out_dtype=None, mult: float | None = None, act_quant: bool = False):
     """XLA form of :func:`moe_glu`: gather, ``grouped_qmatmul_reference`` for each weight, SwiGLU

@@ -142,6 +142,19 @@ def scale_t(scale):
     return jnp.swapaxes(scale, 1, 2)
 
 
+def _kernel_scale(scale, scale_k):
+    """The kernel's scale operand: ``scale_k`` (a copy already in its layout, ``MoE``'s
+    ``keep_kernel_scales``) where given, else :func:`scale_t` of ``scale`` (an XLA transpose per
+    call: 0.42 ms per V4.1-Flash layer at an 8k prefill, run 34)."""
+    if scale_k is None:
+        return scale_t(scale)
+    want = (scale.shape[0], scale.shape[2], scale.shape[1])
+    if tuple(scale_k.shape) != want or scale_k.dtype != scale.dtype:
+        raise ValueError(f"moe_mgpu: kernel-layout scales {tuple(scale_k.shape)} {scale_k.dtype} for scales "
+                         f"{tuple(scale.shape)} (expected {want} {scale.dtype})")
+    return scale_k
+
+
 def _scale_rows(s8, mult: float):
     """ue8m0 bytes -> bf16 ``mult * 2^(s - 127)`` inside the kernel (integer ops and a bitcast, as
     ``qmatmul.scale_values``; exact)."""
@@ -183,11 +196,12 @@ def _num_sms() -> int:
 
 def grouped_matmul_t(xt, block_group, n_blocks, codes, scale, *, bm: int, out_dtype=BF16, mult: float | None = None,
                      impl: str = "auto", tiles: Tiles | None = None, num_sms: int | None = None,
-                     x_rows: bool = False, out_rows: bool = False):
+                     x_rows: bool = False, out_rows: bool = False, scale_k=None):
     """``xt`` [K, R] (bf16) times the int8 expert ``block_group[j]`` of ``codes`` [E, O, K] / ``scale``
     [E, O, K // 32] for every ``bm``-column block ``j < n_blocks``: [O, R] in ``out_dtype``.
     ``x_rows``: ``xt`` is given as rows, [R, K]; ``out_rows``: the result as rows, [R, O] (the
-    kernel reads / stores its tiles transposed: no transpose in XLA)."""
+    kernel reads / stores its tiles transposed: no transpose in XLA). ``scale_k``: ``scale`` in
+    the kernel's layout [E, K // 32, O] if the caller keeps it (else transposed here per call)."""
     codes, scale = _grouped(codes, scale)
     K, R = xt.shape[::-1] if x_rows else xt.shape
     _check(jax.ShapeDtypeStruct((R, K), xt.dtype), block_group, codes, scale, bm)
@@ -205,7 +219,8 @@ def grouped_matmul_t(xt, block_group, n_blocks, codes, scale, *, bm: int, out_dt
         raise ValueError(f"grouped_matmul_t: the Mosaic GPU kernel does not apply: {why or 'unscaled weights'}")
     nb = jnp.reshape(jnp.asarray(n_blocks, jnp.int32), (1,))
     xt, x_rows = _interpreter_layout(xt, x_rows, impl)
-    return _call(xt, block_group.astype(jnp.int32), nb, [(codes, scale_t(scale))], bm=bm, mult=mult, tiles=tiles,
+    return _call(xt, block_group.astype(jnp.int32), nb, [(codes, _kernel_scale(scale, scale_k))], bm=bm, mult=mult,
+                 tiles=tiles,
                  num_sms=num_sms or _num_sms(), interpret=impl == "interpret", x_rows=x_rows, out_rows=out_rows)
 
 
@@ -225,7 +240,9 @@ def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: floa
     ``ws`` [R] the route weight of each column (0 for padding columns). The compute warpgroups hold
     both accumulators, so each token tile is read once for the two weights and g, u never reach
     memory. XLA form: the two products and ``model.moe.swiglu``. ``x_rows`` / ``out_rows``: ``xt``
-    given as rows [R, K] / the result as rows [R, I] (as :func:`grouped_matmul_t`).
+    given as rows [R, K] / the result as rows [R, I] (as :func:`grouped_matmul_t`). ``w1`` / ``w3``
+    may carry a third item, their scales in the kernel's layout (``scale_k`` of
+    :func:`grouped_matmul_t`; None: transposed here).
 
     Checked in the interpreter with two stages and 32-token blocks only: JAX 0.10.2's Mosaic GPU
     interpreter deadlocks on this five-operand pipeline from three stages on (K steps at least as
@@ -235,7 +252,8 @@ def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: floa
     from dsv41_jax.model.moe import swiglu
 
     impl = kernel_impl(impl)
-    (c1, s1), (c3, s3) = (_grouped(*w) for w in (w1, w3))
+    k1, k3 = (w[2] if len(w) > 2 else None for w in (w1, w3))
+    (c1, s1), (c3, s3) = (_grouped(*w[:2]) for w in (w1, w3))
     if c1.shape != c3.shape or s1 is None or s3 is None:
         raise ValueError(f"grouped_glu_t: w1 {c1.shape} and w3 {c3.shape} must be scaled int8 weights of one shape")
     K, R = xt.shape[::-1] if x_rows else xt.shape
@@ -253,7 +271,8 @@ def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: floa
         raise ValueError(f"grouped_glu_t: the Mosaic GPU kernel does not apply: {why}")
     nb = jnp.reshape(jnp.asarray(n_blocks, jnp.int32), (1,))
     xt, x_rows = _interpreter_layout(xt, x_rows, impl)
-    return _call(xt, block_group.astype(jnp.int32), nb, [(c1, scale_t(s1)), (c3, scale_t(s3))], bm=bm,
+    return _call(xt, block_group.astype(jnp.int32), nb, [(c1, _kernel_scale(s1, k1)), (c3, _kernel_scale(s3, k3))],
+                 bm=bm,
                  mult=default_mult(c1.dtype), tiles=tiles, num_sms=num_sms or _num_sms(),
                  interpret=impl == "interpret", glu=(ws.astype(F32), float(limit)), x_rows=x_rows,
                  out_rows=out_rows)

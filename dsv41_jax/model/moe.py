@@ -82,6 +82,72 @@ def kernel_weight(p):
     return p.weight[...], (p.scale[...] if p.int8 else None)
 
 
+def hquant_kernel() -> bool:
+    """``DSV41_MOE_HQUANT`` (read at trace time): ``kernel`` (the default: ``routed_mgpu``
+    quantizes h for w2 with ``kernels.moe_glu.quant_used_rows``, only the rows w2 reads) or
+    ``xla`` (``quant.act_quant_fp8`` of the whole layout: A/B runs)."""
+    mode = os.environ.get("DSV41_MOE_HQUANT", "kernel")
+    if mode not in ("kernel", "xla"):
+        raise ValueError(f"DSV41_MOE_HQUANT={mode!r}: use kernel (the default) or xla")
+    return mode == "kernel"
+
+
+def kernel_scales_mode() -> str:
+    """``DSV41_MGPU_SCALES`` (read at trace time): ``kept`` (the default: the Mosaic GPU prefill
+    kernel reads the copies of the expert scales in its layout that :func:`keep_kernel_scales`
+    added, where there are any) or ``transpose`` (it transposes ``scale`` per call: A/B runs)."""
+    mode = os.environ.get("DSV41_MGPU_SCALES", "kept")
+    if mode not in ("kept", "transpose"):
+        raise ValueError(f"DSV41_MGPU_SCALES={mode!r}: use kept (the default) or transpose")
+    return mode
+
+
+def mgpu_weight(p):
+    """``kernel_weight(p)`` plus the scales in the Mosaic GPU kernel's layout where ``p`` keeps
+    them (``StackedWeight.scale_k``) and ``kernel_scales_mode()`` reads them, else None."""
+    sk = getattr(p, "scale_k", None)
+    return (*kernel_weight(p), sk[...] if sk is not None and kernel_scales_mode() == "kept" else None)
+
+
+class KernelScale(nnx.Variable):
+    """A derived copy of an int8 routed projection's ue8m0 scales in the Mosaic GPU prefill
+    kernel's layout [E, K // 32, O] (``kernels.moe_mgpu.scale_t`` of ``scale``), so that a prefill
+    reads them as they are instead of transposing 3 x 100 MB per V4.1-Flash layer per call. Not an
+    ``nnx.Param``: checkpoints never store it; :func:`keep_kernel_scales` forms it from ``scale``."""
+
+
+def keep_kernel_scales(model, *, force: bool = False) -> int:
+    """Give every int8 ``StackedWeight`` of ``model`` a ``scale_k`` (:class:`KernelScale`) formed
+    from its current ``scale``, where the prefill's routed experts run on the Mosaic GPU kernel
+    (``moe_mgpu.prefill_mode()``; ``force``: regardless). Costs 1/32 of the int8 codes' bytes
+    (3%), saves the kernel's per-call scale transposes (run 34: 0.42 ms per V4.1-Flash layer at an
+    8k prefill). Call it after the weights are final: a copy does not follow later changes of
+    ``scale`` (call it again, or ``drop_kernel_scales``). ``api.load`` calls it for models on one
+    device. Returns the bytes added. Structural change: ``generate.forget(model)`` if it already
+    ran."""
+    from dsv41_jax.kernels import moe_mgpu
+
+    if not force and moe_mgpu.prefill_mode() == "triton":
+        return 0
+    added = 0
+    for _, mod in nnx.iter_graph(model):
+        if isinstance(mod, StackedWeight) and mod.int8:
+            s = mod.scale[...]
+            mod.scale_k = KernelScale(jax.jit(moe_mgpu.scale_t)(s))
+            added += s.size * s.dtype.itemsize
+    return added
+
+
+def drop_kernel_scales(model) -> int:
+    """Remove the copies :func:`keep_kernel_scales` added; returns how many."""
+    n = 0
+    for _, mod in nnx.iter_graph(model):
+        if isinstance(mod, StackedWeight) and getattr(mod, "scale_k", None) is not None:
+            mod.scale_k = None
+            n += 1
+    return n
+
+
 def combine_pairs(y, row_of_pair, T: int, k: int):
     """Sum each token's k expert outputs (rows ``row_of_pair`` of ``y``) in fp32, slot order: [T, D]."""
     return jnp.sum(jnp.take(y, row_of_pair, axis=0).reshape(T, k, -1).astype(F32), axis=1)
@@ -150,6 +216,7 @@ class StackedWeight(nnx.Module):
         else:
             self.weight = nnx.Param(jnp.zeros((E, out_f, in_f), dtype))
             self.scale = None
+        self.scale_k = nnx.data(None)  # ``keep_kernel_scales``: the scales in the prefill kernel's layout
 
     @staticmethod
     def _dequant(codes, scale, dtype):
@@ -433,7 +500,8 @@ class MoE(nnx.Module):
         token's k expert outputs summed in fp32, slot order: [T, D]."""
         from dsv41_jax.kernels.moe_mgpu import grouped_matmul_t
 
-        y = grouped_matmul_t(h, blocks, n_used, *kernel_weight(self.experts.w2), bm=c, out_dtype=self.numerics.dtype,
+        codes, scale, sk = mgpu_weight(self.experts.w2)
+        y = grouped_matmul_t(h, blocks, n_used, codes, scale, bm=c, out_dtype=self.numerics.dtype, scale_k=sk,
                              x_rows=True, out_rows=True, tiles=self._mgpu_tiles("w2", c))
         return combine_pairs(y, row_of_pair, T, k)
 
@@ -444,7 +512,7 @@ class MoE(nnx.Module):
         h in reference numerics, the w2 launch. The kernels read the tokens' rows and store rows
         (their tiles transposed in shared memory), so XLA transposes nothing. Same rounding points
         as ``routed_dense``. ``xa``: the GEMM input (``_aq``)."""
-        from dsv41_jax.kernels.moe_glu import gather_kernel, gather_used_rows
+        from dsv41_jax.kernels.moe_glu import gather_kernel, gather_used_rows, quant_used_rows
         from dsv41_jax.kernels.moe_mgpu import grouped_glu_t, grouped_matmul_t, prefill_mode
 
         dt = self.numerics.dtype
@@ -456,14 +524,19 @@ class MoE(nnx.Module):
         xs = gather_used_rows(xa, row_token, n_used, bm=c, impl="auto" if gather_kernel() else "xla")
         # h [rows, I] (the kernel stores its tiles transposed); rows of unused blocks are not written
         if prefill_mode() == "mgpu-glu":
-            h = grouped_glu_t(xs, ws, blocks, n_used, kernel_weight(ex.w1), kernel_weight(ex.w3), bm=c,
+            h = grouped_glu_t(xs, ws, blocks, n_used, mgpu_weight(ex.w1), mgpu_weight(ex.w3), bm=c,
                               limit=self.limit, x_rows=True, out_rows=True, tiles=self._mgpu_tiles("glu", c))
         else:
-            g, u = (grouped_matmul_t(xs, blocks, n_used, *kernel_weight(getattr(ex, p)), bm=c, out_dtype=dt,
-                                     x_rows=True, out_rows=True, tiles=self._mgpu_tiles(p, c))
-                    for p in ("w1", "w3"))
+            def one(p):
+                codes, scale, sk = mgpu_weight(getattr(ex, p))
+                return grouped_matmul_t(xs, blocks, n_used, codes, scale, bm=c, out_dtype=dt, scale_k=sk,
+                                        x_rows=True, out_rows=True, tiles=self._mgpu_tiles(p, c))
+
+            g, u = one("w1"), one("w3")
             h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
-        ha, cd2 = self._aq(h)
+        # reference numerics: the fp8 quantization of the rows the w2 launch reads (in place)
+        hq = quant_used_rows(h, n_used, bm=c) if self._quantizes() and hquant_kernel() else None
+        ha, cd2 = self._aq(h, xq=hq)
         return self._mgpu_w2(ha.astype(cd2), blocks, n_used, row_of_pair, c, T, k)
 
     def routed_pallas_with_shared(self, x, w, ids, xq=None):
