@@ -73,8 +73,11 @@ def emit(**kw):
 
 def _env_pairs(v: str) -> dict:
     """``'A=1,B=2'`` -> ``{'A': '1', 'B': '2'}`` (one variant of ``--prefill-variants`` /
-    ``--loop-variants``; a value may hold ``=`` but not ``,``)."""
-    return dict(kv.split("=", 1) for kv in v.split(","))
+    ``--loop-variants``; a value may hold ``=``, and ``,`` where no ``NAME=`` follows it: JSON
+    such as ``DSV41_MGPU_TILES={"chain":true,"cluster":2}``)."""
+    import re
+
+    return dict(kv.split("=", 1) for kv in re.split(r",(?=[A-Za-z_][A-Za-z0-9_]*=)", v))
 
 
 @contextlib.contextmanager
@@ -771,6 +774,28 @@ def bench_vit(model, cfg, tokens, modes=("fp32", "bf16")):
             tower = lambda: V._tower(model.vision, model.aligner, *dev,  # noqa: E731
                                      q_block=V._query_block(g.patches.shape[1]), impl=impl)
             tower_s, _ = bench(tower, warmup=1, iters=3)
+            # where encode_images' time beyond the tower goes (host work before the GPU starts):
+            # packing and sending the bf16 patches, or (what encode_images does since session 26)
+            # the uint8 pixels, normalized on the device
+            bk = V.tight_bucket if mode != "fp32" else V.default_bucket
+            row = dict(what="vit_host", vit_attention=mode, tower_s=tower_s)
+            for form, px in (("bf16", False), ("uint8", True)):
+                row[f"pack_{form}_s"], gp = bench(lambda px=px: V.pack_images([pi], v, bucket=bk, pixels=px),
+                                                  warmup=1, iters=5)
+                host = [(x.patches, x.rows, x.cols, x.n_valid, x.merge) for x in gp][0]
+                row[f"put_{form}_s"], devp = bench(lambda host=host: [jnp.asarray(a) for a in host], warmup=1, iters=5)
+                row[f"tower_{form}_s"], _ = bench(lambda devp=devp: V._tower(  # noqa: B023
+                    model.vision, model.aligner, *devp, q_block=V._query_block(gp[0].patches.shape[1]), impl=impl),
+                    warmup=1, iters=3)
+                row[f"patch_bytes_{form}"] = int(gp[0].patches.nbytes)
+            rets = []  # encode_images' host time (until it returns, the device still running)
+            for _ in range(3):
+                t1 = time.perf_counter()
+                out = encode_images(model.vision, model.aligner, model, [pi], num)
+                rets.append(time.perf_counter() - t1)
+                jax.block_until_ready(out)
+            row["encode_return_s"] = float(np.median(rets))
+            emit(**row)
             emit(what="vit", vit_attention=mode, attention_impl=impl, tower_s=tower_s,
                  cudnn_error=V._CUDNN_FAILED[0][:200] if V._CUDNN_FAILED else None,
                  image_tokens=int(np.prod(pi.llm_grid)), patches=N, flops=flops, seconds=run, first_call_s=first,

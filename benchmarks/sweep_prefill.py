@@ -285,7 +285,39 @@ MGPU_VARIANTS = (("w1", "triton"), ("w1", {}), ("w1", dict(steps=3)), ("w1", dic
                  # (29-) longer K steps on the rows layouts (session 24)
                  ("w2", dict(x_rows=True, out_rows=True, tile_k=128, steps=3)),
                  ("w2", dict(x_rows=True, out_rows=True, tile_m=128, tile_k=128, steps=2)),
-                 ("glu", dict(x_rows=True, out_rows=True, tile_k=128, steps=2)))
+                 ("glu", dict(x_rows=True, out_rows=True, tile_k=128, steps=2)),
+                 # (32-) session 26: chained tile pipelines, five stages, CTA pairs sharing the
+                 # token tile, then diagnostics (``probe``: wrong values by design, timing only)
+                 ("glu", dict(x_rows=True, out_rows=True, chain=True)),
+                 ("glu", dict(x_rows=True, out_rows=True, steps=5)),
+                 ("glu", dict(x_rows=True, out_rows=True, steps=5, chain=True)),
+                 ("glu", dict(x_rows=True, out_rows=True, cluster=2)),
+                 ("glu", dict(x_rows=True, out_rows=True, cluster=2, chain=True)),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, chain=True)),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=4)),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=4, chain=True)),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, cluster=2, chain=True)),
+                 # (41-) probes
+                 ("glu", dict(x_rows=True, out_rows=True, probe="const_lhs")),
+                 ("glu", dict(x_rows=True, out_rows=True, probe="one_expert")),
+                 ("glu", dict(x_rows=True, out_rows=True, probe="const_lhs,one_expert")),
+                 ("glu", dict(x_rows=True, out_rows=True, probe="no_store")),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, probe="const_lhs")),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, probe="one_expert")),
+                 # (47-) the weights pre-tiled (each step's tile one contiguous block): is the
+                 # weights' strided access (64-byte row pieces 5120 / 2304 bytes apart) the bound?
+                 ("glu", dict(x_rows=True, out_rows=True, tiled=True)),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, tiled=True)),
+                 ("glu", dict(x_rows=True, out_rows=True, tiled=True, probe="const_lhs")),
+                 ("glu", dict(x_rows=True, out_rows=True, tile_k=128, steps=2, tiled=True)),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, tile_k=128, steps=2, tiled=True)),
+                 # (52-) K-blocked codes, [E, K / 64, O, 64]: one layout for every tile_m
+                 ("glu", dict(x_rows=True, out_rows=True, tiled="kblocked")),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, tiled="kblocked")),
+                 ("glu", dict(x_rows=True, out_rows=True, steps=3, tiled="kblocked")),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=4, tiled="kblocked")),
+                 ("glu", dict(x_rows=True, out_rows=True, tiled="kblocked", chain=True)),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, tiled="kblocked", chain=True)))
 
 
 def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304,
@@ -335,9 +367,24 @@ def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int
             else:
                 tl = dict(tiles)
                 lay = dict(x_rows=tl.pop("x_rows", False), out_rows=tl.pop("out_rows", False))
+                tiled = tl.pop("tiled", False)
                 tl = MG.Tiles(**tl)
                 wts = (w["w1"], w["w3"]) if proj == "glu" else (w[proj],)
-                if proj == "glu":
+                if tiled:  # each step's weight tile contiguous in memory, the scales in the kernel's layout
+                    cm, tk_ = 2 * tl.tile_m, tl.tile_k
+                    if tiled == "kblocked":  # [E, K / tile_k, O, tile_k]
+                        wts = tuple((cd.reshape(E, cd.shape[1], cd.shape[2] // tk_, tk_).transpose(0, 2, 1, 3),
+                                     MG.scale_t(sc)) for cd, sc in wts)
+                    else:  # [E, O / 2 tile_m, K / tile_k, 2 tile_m, tile_k]
+                        wts = tuple((cd.reshape(E, cd.shape[1] // cm, cm, cd.shape[2] // tk_, tk_)
+                                     .transpose(0, 1, 3, 2, 4), MG.scale_t(sc)) for cd, sc in wts)
+
+                    def run(a, wts, tl=tl, lay=lay, glu=proj == "glu"):  # (the kernel itself: rows in, rows out)
+                        return MG._call(a, blocks.astype(jnp.int32), jnp.reshape(n_used, (1,)).astype(jnp.int32),
+                                        list(wts), bm=c, mult=Q.default_mult(jnp.int8), tiles=tl,
+                                        num_sms=sms or MG._num_sms(), interpret=impl == "interpret",
+                                        glu=(ws.astype(jnp.float32), limit) if glu else None, **lay)
+                elif proj == "glu":
                     def run(a, wts, tl=tl, lay=lay):  # the result as rows [rows, I]
                         h = MG.grouped_glu_t(a, ws, blocks, n_used, *wts, bm=c, limit=limit,
                                              impl=impl, tiles=tl, num_sms=sms, **lay)

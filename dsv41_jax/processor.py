@@ -231,7 +231,10 @@ class ProcessedImage:
 
     ``patches``: [n_vit_h * n_vit_w, 3, p, p] ``ml_dtypes.bfloat16``, raster order (patch
     ``row * n_vit_w + col``), channels R, G, B, values ``(x / 255 - 0.5) / 0.5`` rounded once
-    to bf16. ``types``: the span's token types (int64, length ``span_len``).
+    to bf16. ``types``: the span's token types (int64, length ``span_len``). ``pixels``: the same
+    patches as the uint8 values they were normalized from (``patches == normalize(pixels)``), or
+    None; ``encode_images`` sends those to the device (half the bytes) and normalizes
+    there through ``PIXEL_TABLE``, with the same bf16 values.
     """
 
     name: str
@@ -242,6 +245,7 @@ class ProcessedImage:
     original_size: tuple[int, int]  # (width, height) of the decoded image
     resized_size: tuple[int, int]  # (width, height) of the padded canvas
     contained_size: tuple[int, int]  # (width, height) of the bicubic resize inside the canvas
+    pixels: np.ndarray | None = None  # [n_patches, 3, p, p] uint8, or None
 
     @property
     def n_patches(self) -> int:
@@ -261,10 +265,15 @@ class ProcessedImage:
 
 
 def normalize(pixels_hwc: np.ndarray) -> np.ndarray:
-    """uint8 HWC -> fp32 ``(x / 255 - 0.5) / 0.5`` -> bf16 (round to nearest even)."""
+    """uint8 HWC -> fp32 ``(x / 255 - 0.5) / 0.5`` -> bf16 (round to nearest even). Elementwise:
+    any uint8 shape."""
     x = pixels_hwc.astype(np.float32) / np.float32(255)
     x = (x - np.float32(0.5)) / np.float32(0.5)
     return x.astype(ml_dtypes.bfloat16)
+
+
+# normalize() of every uint8 value: a device-side lookup gives normalize's bf16 values exactly
+PIXEL_TABLE = normalize(np.arange(256, dtype=np.uint8))
 
 
 def patchify(x_hwc: np.ndarray, patch_size: int) -> np.ndarray:
@@ -286,17 +295,17 @@ def preprocess_image(source: Any, cfg: VisionConfig, name: str | None = None) ->
         canvas, inner = image.resize(size), size
     else:
         canvas, inner = ImageOps.pad(image, size, color=PAD_GRAY), contained_size(w, h, *size)
-    pixels = np.asarray(canvas, dtype=np.uint8)
-    patches = patchify(normalize(pixels), cfg.patch_size)
+    pixels = patchify(np.asarray(canvas, dtype=np.uint8), cfg.patch_size)
     return ProcessedImage(
         name=name,
-        patches=patches,
+        patches=normalize(pixels),
         vit_grid=plan.vit_grid,
         llm_grid=plan.llm_grid,
         types=image_token_types(*plan.llm_grid),
         original_size=(w, h),
         resized_size=size,
         contained_size=tuple(int(v) for v in inner),
+        pixels=pixels,
     )
 
 

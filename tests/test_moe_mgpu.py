@@ -3,6 +3,8 @@ JAX's Mosaic GPU interpreter against its XLA form, its CUDA lowering at V4.1-Fla
 ``MoE.routed_mgpu`` against the default prefill path."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -382,3 +384,63 @@ def test_kept_kernel_scales_reach_the_kernel(monkeypatch):
     monkeypatch.setenv("DSV41_MGPU_SCALES", "both")
     with pytest.raises(ValueError, match="DSV41_MGPU_SCALES"):
         M.kernel_scales_mode()
+
+
+@pytest.mark.timeout(600)
+def test_chained_tiles_and_blocked_codes_equal_the_plain_kernel():
+    """Session 26's kernel options in the interpreter, bit-equal to the plain kernel: ``chain``
+    (a CTA's tiles as one sequence of pipelines: three tiles per CTA, so START, STEADY and STOP
+    all run, and with one CTA holding a single tile, which runs unchained), and the codes given
+    K-blocked [E, K/64, O, 64] or pre-tiled [E, O/128, K/64, 128, 64] (each step's weight tile
+    contiguous: the access-pattern measurements of ``sweep_prefill.py``)."""
+    from dsv41_jax.kernels.qmatmul import default_mult
+
+    rng = np.random.default_rng(26)
+    xt, bg, codes, scale = _problem(rng, G=3, O=256, K=256, blocks=4, bm=32)
+    nb = 3
+    run = functools.partial(MG.grouped_matmul_t, xt, bg, nb, codes, scale, bm=32, impl="interpret")
+    base = np.asarray(run(tiles=MG.Tiles(steps=2), num_sms=2))[:, :nb * 32]
+    want = np.asarray(MG.grouped_matmul_t(xt, bg, nb, codes, scale, bm=32, impl="xla"))[:, :nb * 32]
+    assert np.all(np.abs(base.astype(np.float64) - want) <= 2.0 ** -7 * np.abs(want.astype(np.float64)) + 1e-30)
+    assert np.array_equal(np.asarray(run(tiles=MG.Tiles(steps=2, chain=True), num_sms=2))[:, :nb * 32], base)
+    # 128 output rows: one row tile per block, three tiles over two CTAs (one runs alone)
+    one = functools.partial(MG.grouped_matmul_t, xt, bg, nb, codes[:, :128], scale[:, :128], bm=32, impl="interpret")
+    assert np.array_equal(np.asarray(one(tiles=MG.Tiles(steps=4, chain=True), num_sms=2))[:, :nb * 32],
+                          np.asarray(one(tiles=MG.Tiles(steps=4), num_sms=2))[:, :nb * 32])
+    E, O, K = codes.shape
+    for blocked in (codes.reshape(E, O, K // 64, 64).transpose(0, 2, 1, 3),
+                    codes.reshape(E, O // 128, 128, K // 64, 64).transpose(0, 1, 3, 2, 4)):
+        got = MG._call(xt, bg, jnp.array([nb], jnp.int32), [(blocked, MG.scale_t(scale))], bm=32,
+                       mult=default_mult(jnp.int8), tiles=MG.Tiles(steps=2), num_sms=2, interpret=True)
+        assert np.array_equal(np.asarray(got)[:, :nb * 32], base), blocked.ndim
+
+
+def test_kernel_options_lower_and_reject_bad_tiles():
+    """``chain``, ``cluster`` (CTA pairs sharing the token tile by multicast: the interpreter has no
+    cluster barriers, so CUDA lowering only; values on the GPU, ``sweep_prefill.py`` rows 35-36 and
+    40), the diagnostics and K-blocked codes lower for CUDA at V4.1-Flash shapes (fused GLU and w2,
+    rows in and out); tiles they cannot take: one clear error each."""
+    SD = jax.ShapeDtypeStruct
+    R = 160 * 400
+    w = (SD((384, 2304, 5120), jnp.int8), SD((384, 2304, 160), jnp.uint8))
+    glu_args = (SD((R, 5120), BF16), SD((R,), F32), SD((400,), jnp.int32), SD((), jnp.int32), *w, *w)
+    for tiles in (MG.Tiles(chain=True), MG.Tiles(cluster=2, chain=True), MG.Tiles(probe="const_lhs,one_expert,no_store")):
+        g = jax.jit(lambda *a, t=tiles: MG.grouped_glu_t(*a[:4], (a[4], a[5]), (a[6], a[7]), bm=160, limit=10.0,
+                                                        impl="mosaic", num_sms=132, x_rows=True, out_rows=True, tiles=t))
+        assert "mosaic_gpu" in g.trace(*glu_args).lower(lowering_platforms=("cuda",)).as_text(), tiles
+    w2_args = (SD((R, 2304), BF16), SD((400,), jnp.int32), SD((), jnp.int32), SD((384, 5120, 2304), jnp.int8),
+               SD((384, 5120, 72), jnp.uint8))
+    for tiles in (MG.Tiles(tile_m=128, steps=3, chain=True), MG.Tiles(tile_m=128, steps=3, cluster=2)):
+        f = jax.jit(lambda *a, t=tiles: MG.grouped_matmul_t(*a, bm=160, impl="mosaic", tiles=t, num_sms=132,
+                                                            x_rows=True, out_rows=True))
+        assert "mosaic_gpu" in f.trace(*w2_args).lower(lowering_platforms=("cuda",)).as_text(), tiles
+    kb = jax.jit(lambda x, bg, nb, c, s: MG._call(x, bg, nb, [(c, s)], bm=160, mult=1.0, tiles=MG.Tiles(tile_m=128, steps=3),
+                                                  num_sms=132, interpret=False, x_rows=True, out_rows=True))
+    assert "mosaic_gpu" in kb.trace(SD((R, 2304), BF16), SD((400,), jnp.int32), SD((1,), jnp.int32),
+                                    SD((384, 36, 5120, 64), jnp.int8), SD((384, 72, 5120), jnp.uint8)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "dividing the 80 K steps" in MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(steps=3, chain=True))
+    assert "cluster=3" in MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(cluster=3))
+    assert "cluster=2" in MG.applies(2304 - 128, 5120, 160, jnp.int8, BF16, MG.Tiles(cluster=2))
+    assert "unknown probes" in MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(probe="fast"))
+    assert MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(steps=5, chain=True)) is None

@@ -107,6 +107,34 @@ def test_golden_vision_outputs(name):
 
 
 @pytest.mark.parametrize("name", ["image_fast_fp32", "image_fp8"])
+def test_pixels_sent_as_uint8_give_the_same_bits(name):
+    """encode_images sends the images' uint8 pixels and normalizes them on the device
+    (``processor.PIXEL_TABLE``): every output bit-equal to sending the host's bf16 patches, the
+    table equal to ``normalize`` on every byte, and a group packs uint8 only when every image
+    has its pixels."""
+    import dataclasses
+
+    from dsv41_jax.model import vision as V
+
+    c = get_case(name)
+    ims = list(c.batch.images)
+    assert all(im.pixels is not None and im.pixels.dtype == np.uint8 for im in ims)
+    for im in ims:
+        np.testing.assert_array_equal(P.PIXEL_TABLE[im.pixels].view(np.uint16), im.patches.view(np.uint16))
+    np.testing.assert_array_equal(P.PIXEL_TABLE.view(np.uint16),
+                                  P.normalize(np.arange(256, dtype=np.uint8)).view(np.uint16))
+    bf16_only = [dataclasses.replace(im, pixels=None) for im in ims]
+    a = encode_images(c.vision, c.aligner, c.vectors, ims, c.numerics, return_details=True)
+    b = encode_images(c.vision, c.aligner, c.vectors, bf16_only, c.numerics, return_details=True)
+    for x, y in ((a.span_embeds, b.span_embeds), (a.aligner_rows, b.aligner_rows), (a.vit_out, b.vit_out)):
+        np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)))
+    same = V.pack_images([ims[0], bf16_only[0]], c.cfg.vision, pixels=True)
+    assert len(same) == 1 and same[0].patches.dtype == ml_dtypes.bfloat16
+    assert V.pack_images([ims[0]], c.cfg.vision, pixels=True)[0].patches.dtype == np.uint8
+    assert V.pack_images([ims[0]], c.cfg.vision)[0].patches.dtype == ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("name", ["image_fast_fp32", "image_fp8"])
 def test_golden_merge_into_embeddings(name):
     """merge_spans writes exactly span_embeds at the span positions and leaves text untouched."""
     c = get_case(name)

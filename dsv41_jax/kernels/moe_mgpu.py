@@ -63,6 +63,18 @@ class Tiles:
     tile_m: int = 64
     tile_k: int = 64
     steps: int = 4
+    # ``chain``: the tiles an SM walks run as one sequence of pipelines (Pallas's
+    # ``PipelinePipeline``): the memory warpgroup streams the next tile's first stages while the
+    # compute warpgroups finish a tile's epilogue (needs ``steps`` dividing the K steps)
+    chain: bool = False
+    # ``cluster``: 2 runs CTA pairs (a thread-block cluster) on the two halves of a 4 x ``tile_m``
+    # row tile of one block, the token tile multicast to both (half the L2 reads of the tokens)
+    cluster: int = 1
+    # diagnostics for ``sweep_prefill.py`` only, comma-separated; every one of them gives wrong
+    # values: ``const_lhs`` (a constant left operand: no shared-memory read or dequantization of
+    # the weights), ``one_expert`` (every block multiplies expert 0, whose weights stay in L2),
+    # ``no_store`` (the epilogue's copies to global memory are not issued)
+    probe: str = ""
 
 
 def prefill_mode() -> str:
@@ -122,7 +134,17 @@ def applies(O: int, K: int, bm: int, codes_dtype, x_dtype, tiles: Tiles | None =
         return f"K={K} for tile_k={t.tile_k} (a multiple of 64 dividing K)"
     if bm % 32 or not 32 <= bm <= 256:
         return f"row blocks of {bm} rows (a multiple of 32 up to 256)"
+    if t.cluster not in (1, 2) or O % (2 * t.cluster * t.tile_m):
+        return f"{O} output rows for cluster={t.cluster} (1 or 2) x 2 x tile_m={t.tile_m}"
+    if t.chain and (K // t.tile_k) % min(t.steps, K // t.tile_k):
+        return f"chained tiles need steps={t.steps} dividing the {K // t.tile_k} K steps"
+    bad = set(filter(None, t.probe.split(","))) - set(PROBES)
+    if bad:
+        return f"unknown probes {sorted(bad)} (use {PROBES})"
     return None
+
+
+PROBES = ("const_lhs", "one_expert", "no_store")
 
 
 def launch_tiles(proj: str, O: int, K: int, bm: int, codes_dtype, x_dtype) -> Tiles | None:
@@ -278,6 +300,17 @@ def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: floa
                  out_rows=out_rows)
 
 
+def _codes_ref(ref, e, mi, cta_m: int, layout: str):
+    """Expert ``e``'s codes of CTA row tile ``mi`` (``2 tile_m`` rows), as the pipeline streams them."""
+    import jax.experimental.pallas as pl
+
+    if layout == "tiled":
+        return ref.at[e, mi]
+    if layout == "kblocked":
+        return ref.at[e, :, pl.ds(mi * cta_m, cta_m), :]
+    return ref.at[e, pl.ds(mi * cta_m, cta_m), :]
+
+
 def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sms: int, interpret: bool, glu=None,
           x_rows: bool = False, out_rows: bool = False):
     """The kernel. ``weights``: [(codes, scale bytes as ``scale_t``)], or two of them (w1, w3) with
@@ -287,14 +320,22 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     R, K = xt.shape if x_rows else xt.shape[::-1]
-    E, O, _ = weights[0][0].shape
+    # codes as stored ([E, O, K]: a step's weight tile is 2 tile_m pieces of tile_k bytes, K bytes
+    # apart), or for measurements of that access pattern (``sweep_prefill.py``; no model path
+    # stores them so yet) pre-tiled, [E, O / (2 tile_m), K / tile_k, 2 tile_m, tile_k], or
+    # K-blocked, [E, K / tile_k, O, tile_k]: each step's tile one contiguous block
+    layout = {3: "rows", 4: "kblocked", 5: "tiled"}[weights[0][0].ndim]
+    shp = weights[0][0].shape
+    E, O = shp[0], (shp[1] * shp[3] if layout == "tiled" else shp[2] if layout == "kblocked" else shp[1])
     nw = len(weights)
     NB = R // bm
     tm, tk = tiles.tile_m, tiles.tile_k
     cta_m = 2 * tm
-    m_iters = O // cta_m
+    cl = tiles.cluster
+    m_iters = O // (cl * cta_m)  # row tiles of a block per CTA (pair)
     chunks = tk // QBLOCK
     epi = 64 if bm % 64 == 0 else 32  # epilogue tile width (tokens)
+    probes = set(filter(None, tiles.probe.split(",")))
 
     def tr(swizzle, itemsize):
         return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
@@ -305,21 +346,27 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
     o_tr = tr(128, 2) if out_rows else tr(2 * epi, 2)
     specs = []
     for _ in range(nw):  # (a spec object per operand: the pipeline keeps per-spec state)
-        specs += [plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=a_tr, memory_space=plgpu.SMEM),
+        specs += [plgpu.BlockSpec((None, cta_m, tk), lambda k: (k, 0, 0), transforms=a_tr, memory_space=plgpu.SMEM)
+                  if layout != "rows" else
+                  plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=a_tr, memory_space=plgpu.SMEM),
                   plgpu.BlockSpec((chunks, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM)]
+    multicast = dict(collective_axes=("cluster",)) if cl > 1 else {}
     if x_rows:  # [bm, tk] token tiles, given to wgmma as a transposed view, 32 inputs at a time
-        specs.append(plgpu.BlockSpec((bm, tk), lambda k: (0, k), transforms=b_tr, memory_space=plgpu.SMEM))
+        specs.append(plgpu.BlockSpec((bm, tk), lambda k: (0, k), transforms=b_tr, memory_space=plgpu.SMEM,
+                                     **multicast))
     else:
-        specs.append(plgpu.BlockSpec((tk, bm), lambda k: (k, 0), transforms=b_tr, memory_space=plgpu.SMEM))
+        specs.append(plgpu.BlockSpec((tk, bm), lambda k: (k, 0), transforms=b_tr, memory_space=plgpu.SMEM,
+                                     **multicast))
 
     def kernel(bg_gmem, nb_gmem, *refs, out_smem, lhs_smem, ws_smem=None, ws_bar=None):
         ws_gmem, refs = (refs[0], refs[1:]) if glu is not None else (None, refs)
         w_gmem, b_gmem, out_gmem = refs[:2 * nw], refs[2 * nw], refs[2 * nw + 1]
 
-        def pipeline(body, context):
+        def pipeline(body, context, state=None):
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(K // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-                max_concurrent_steps=tiles.steps, compute_context=context, in_specs=specs)
+                max_concurrent_steps=tiles.steps, compute_context=context, in_specs=specs,
+                pipeline_state=state)
 
         def ignore(*_, **__):
             return None
@@ -327,91 +374,114 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
         live_blocks = nb_gmem[0]
 
         @functools.partial(pl.run_scoped, collective_axes="wg", allocs=pipeline(ignore, ignore).get_allocations(
-            *(r.at[0] for r in w_gmem), b_gmem))
+            *(_codes_ref(r, 0, 0, cta_m, layout) if i % 2 == 0 else r.at[0] for i, r in enumerate(w_gmem)), b_gmem))
         def _scope(allocs):
             wg = lax.axis_index("wg")
             rows = pl.ds(wg * tm, tm)  # this warpgroup's output rows within the CTA tile
 
-            @plgpu.nd_loop((m_iters * NB,), collective_axes="sm")
+            # only the live blocks' tiles (a prefix of the tile order): a CTA knows its first and
+            # last tile, which a chain of pipelines needs
+            @plgpu.nd_loop((jnp.minimum(live_blocks, NB) * m_iters,), collective_axes="sm")
             def _tiles(info):
                 (lin,) = info.index
                 blk, mi = lin // m_iters, lin % m_iters
+                if cl > 1:
+                    mi = mi * cl + lax.axis_index("cluster")
+                e = jnp.int32(0) if "one_expert" in probes else bg_gmem[blk]
+                m_sl = pl.ds(mi * cta_m, cta_m)
+                n_sl = pl.ds(blk * bm, bm)
 
-                @pl.when(blk < live_blocks)
-                def _live():
-                    e = bg_gmem[blk]
-                    m_sl = pl.ds(mi * cta_m, cta_m)
-                    n_sl = pl.ds(blk * bm, bm)
+                def result(accs):
+                    if glu is None:
+                        return accs[0][...].astype(BF16)
+                    g, u = (a[...].astype(BF16).astype(F32) for a in accs)
+                    limit = glu[1]
+                    if limit > 0:
+                        u = jnp.clip(u, -limit, limit)
+                        g = jnp.minimum(g, limit)
+                    plgpu.barrier_wait(ws_bar.at[wg])
+                    wcol = lax.broadcast_in_dim(ws_smem[wg], (tm, bm), (1,))
+                    return (wcol * (g / (1.0 + jnp.exp(-g))) * u).astype(BF16)
 
-                    def result(accs):
-                        if glu is None:
-                            return accs[0][...].astype(BF16)
-                        g, u = (a[...].astype(BF16).astype(F32) for a in accs)
-                        limit = glu[1]
-                        if limit > 0:
-                            u = jnp.clip(u, -limit, limit)
-                            g = jnp.minimum(g, limit)
-                        plgpu.barrier_wait(ws_bar.at[wg])
-                        wcol = lax.broadcast_in_dim(ws_smem[wg], (tm, bm), (1,))
-                        return (wcol * (g / (1.0 + jnp.exp(-g))) * u).astype(BF16)
-
-                    def context(run):
-                        @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, bm), F32) for _ in range(nw)])
-                        def _acc(accs):
-                            if glu is not None:  # this block's route weights, for the epilogue
-                                plgpu.copy_gmem_to_smem(ws_gmem.at[n_sl], ws_smem.at[wg], ws_bar.at[wg])
-                            run(tuple(accs))
-                            y = result(accs)
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            for i in range(bm // epi):
-                                cols = slice(i * epi, (i + 1) * epi)
-                                slot = i % 2
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                                if out_rows:  # the tile stored transposed: [tokens, out] in shared memory
-                                    if interpret:  # (no transposed views, no register layouts there)
-                                        out_smem[wg, slot] = y[:, cols].T
-                                    else:  # a register relayout, then a store through a transposed view
-                                        yt = plgpu.layout_cast(y[:, cols], plgpu.Layout.WGMMA_TRANSPOSED)
-                                        plgpu.transpose_ref(out_smem.at[wg, slot], (1, 0))[...] = yt
-                                    dst = out_gmem.at[n_sl, m_sl].at[cols, rows]
-                                else:
-                                    out_smem[wg, slot] = y[:, cols]
-                                    dst = out_gmem.at[m_sl, n_sl].at[rows].at[:, cols]
-                                plgpu.commit_smem()
+                def context(run):
+                    @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, bm), F32) for _ in range(nw)])
+                    def _acc(accs):
+                        if glu is not None:  # this block's route weights, for the epilogue
+                            plgpu.copy_gmem_to_smem(ws_gmem.at[n_sl], ws_smem.at[wg], ws_bar.at[wg])
+                        run(tuple(accs))
+                        y = result(accs)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        for i in range(bm // epi):
+                            cols = slice(i * epi, (i + 1) * epi)
+                            slot = i % 2
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            if out_rows:  # the tile stored transposed: [tokens, out] in shared memory
+                                if interpret:  # (no transposed views, no register layouts there)
+                                    out_smem[wg, slot] = y[:, cols].T
+                                else:  # a register relayout, then a store through a transposed view
+                                    yt = plgpu.layout_cast(y[:, cols], plgpu.Layout.WGMMA_TRANSPOSED)
+                                    plgpu.transpose_ref(out_smem.at[wg, slot], (1, 0))[...] = yt
+                                dst = out_gmem.at[n_sl, m_sl].at[cols, rows]
+                            else:
+                                out_smem[wg, slot] = y[:, cols]
+                                dst = out_gmem.at[m_sl, n_sl].at[rows].at[:, cols]
+                            plgpu.commit_smem()
+                            if "no_store" not in probes:
                                 plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
 
-                    def body(_, *refs):
-                        *smem, accs = refs
-                        b_smem = smem[-1]
-                        # every chunk dequantized before the first MMA is issued: a register operand
-                        # must not change while its asynchronous wgmma runs
-                        lhs = []
-                        for w in range(nw):
-                            a = smem[2 * w][rows].astype(BF16)
-                            for c in range(chunks):
-                                scale = lax.broadcast_in_dim(_scale_rows(smem[2 * w + 1][c, rows], mult),
-                                                             (tm, QBLOCK), (0,))
-                                lhs.append((w, c, a[:, c * QBLOCK:(c + 1) * QBLOCK] * scale))
-                        for w, c, op in lhs:
-                            if interpret:  # the interpreter's wgmma reads its left operand from shared memory
-                                lhs_smem[wg] = op
-                                plgpu.commit_smem()
-                                op = lhs_smem.at[wg]
-                            if x_rows:
-                                bop = plgpu.transpose_ref(b_smem.at[:, pl.ds(c * QBLOCK, QBLOCK)], (1, 0))
-                            else:
-                                bop = b_smem.at[pl.ds(c * QBLOCK, QBLOCK)]
-                            plgpu.wgmma(accs[w], op, bop)
-                            if interpret:
-                                plgpu.wgmma_wait(0)
-                        plgpu.wgmma_wait(0)
-                        return accs
-
-                    operands = []
+                def body(_, *refs):
+                    *smem, accs = refs
+                    b_smem = smem[-1]
+                    # every chunk dequantized before the first MMA is issued: a register operand
+                    # must not change while its asynchronous wgmma runs
+                    lhs = []
                     for w in range(nw):
-                        operands += [w_gmem[2 * w].at[e, m_sl, :], w_gmem[2 * w + 1].at[e, :, m_sl]]
-                    pipeline(body, context)(*operands, b_gmem.at[n_sl, :] if x_rows else b_gmem.at[:, n_sl],
-                                            allocations=allocs)
+                        if "const_lhs" in probes:
+                            const = plgpu.layout_cast(jnp.full((tm, QBLOCK), 1.0, BF16), plgpu.Layout.WGMMA)
+                            lhs += [(w, c, const) for c in range(chunks)]
+                            continue
+                        a = smem[2 * w][rows].astype(BF16)
+                        for c in range(chunks):
+                            scale = lax.broadcast_in_dim(_scale_rows(smem[2 * w + 1][c, rows], mult),
+                                                         (tm, QBLOCK), (0,))
+                            lhs.append((w, c, a[:, c * QBLOCK:(c + 1) * QBLOCK] * scale))
+                    for w, c, op in lhs:
+                        if interpret:  # the interpreter's wgmma reads its left operand from shared memory
+                            lhs_smem[wg] = op
+                            plgpu.commit_smem()
+                            op = lhs_smem.at[wg]
+                        if x_rows:
+                            bop = plgpu.transpose_ref(b_smem.at[:, pl.ds(c * QBLOCK, QBLOCK)], (1, 0))
+                        else:
+                            bop = b_smem.at[pl.ds(c * QBLOCK, QBLOCK)]
+                        plgpu.wgmma(accs[w], op, bop)
+                        if interpret:
+                            plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(0)
+                    return accs
+
+                operands = []
+                for w in range(nw):
+                    operands += [_codes_ref(w_gmem[2 * w], e, mi, cta_m, layout), w_gmem[2 * w + 1].at[e, :, m_sl]]
+                operands.append(b_gmem.at[n_sl, :] if x_rows else b_gmem.at[:, n_sl])
+                if not tiles.chain:
+                    pipeline(body, context)(*operands, allocations=allocs)
+                    return
+                # a chain: the first tile fills the stages, the last one drains them (the memory
+                # warpgroup waits for the last releases: a cluster partner may still signal);
+                # a CTA with one tile runs it unchained
+                PP = plgpu.PipelinePipeline
+                first, n_local = info.local_index == 0, info.num_local_steps
+                state = jnp.where(first, jnp.int32(PP.START),
+                                  jnp.where(info.local_index == n_local - 1, jnp.int32(PP.STOP), jnp.int32(PP.STEADY)))
+
+                @pl.when(n_local == 1)
+                def _alone():
+                    pipeline(body, context)(*operands, allocations=allocs)
+
+                @pl.when(n_local > 1)
+                def _chained():
+                    pipeline(body, context, state)(*operands, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -421,8 +491,8 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
 
         extra["interpret"] = interpret_params.InterpretGPUParams()
     f = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((R, O) if out_rows else (O, R), BF16), grid=(num_sms,),
-        grid_names=("sm",),
+        kernel, out_type=jax.ShapeDtypeStruct((R, O) if out_rows else (O, R), BF16), grid=(num_sms // cl,),
+        grid_names=("sm",), **(dict(cluster=(cl,), cluster_names=("cluster",)) if cl > 1 else {}),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM((2, 2, epi, tm) if out_rows else (2, 2, tm, epi), BF16, transforms=o_tr),

@@ -300,7 +300,7 @@ class VisionGroup:
     """Images padded to one patch bucket and stacked (host arrays, ready for the jitted tower)."""
 
     image_ids: tuple[int, ...]  # positions in the encode_images list; padding slots are not listed
-    patches: np.ndarray  # [B, Nb, 3*p*p] bf16
+    patches: np.ndarray  # [B, Nb, 3*p*p] bf16, or uint8 pixels (``pack_images(pixels=True)``)
     rows: np.ndarray  # [B, Nb] int32
     cols: np.ndarray  # [B, Nb] int32
     n_valid: np.ndarray  # [B] int32
@@ -310,10 +310,13 @@ class VisionGroup:
 
 
 def pack_images(images: Sequence[ProcessedImage], cfg: VisionConfig, *,
-                bucket: Callable[[int], int] = default_bucket, batch_multiple: int = 1) -> list[VisionGroup]:
+                bucket: Callable[[int], int] = default_bucket, batch_multiple: int = 1,
+                pixels: bool = False) -> list[VisionGroup]:
     """Group images by padded patch count and stack each group. The image count of a group is
     padded (1, 2, 4, then multiples of 4, and to a multiple of ``batch_multiple``) with one-patch
-    dummy images, so few distinct shapes get compiled."""
+    dummy images, so few distinct shapes get compiled. ``pixels``: a group whose images all carry
+    their uint8 ``pixels`` holds those (half the bytes to pack and send; the tower
+    normalizes them on the device), the others their bf16 patches."""
     r = cfg.downsample_ratio
     by_bucket: dict[int, list[int]] = {}
     for i, im in enumerate(images):
@@ -328,7 +331,8 @@ def pack_images(images: Sequence[ProcessedImage], cfg: VisionConfig, *,
         rb = max(images[i].n_rows for i in ids)
         rb = -(-rb // 8) * 8
         dim = images[ids[0]].patches[0].size
-        patches = np.zeros((b, nb, dim), images[ids[0]].patches.dtype)
+        raw = pixels and all(images[i].pixels is not None for i in ids)
+        patches = np.zeros((b, nb, dim), np.uint8 if raw else images[ids[0]].patches.dtype)
         rows = np.zeros((b, nb), np.int32)
         cols = np.zeros((b, nb), np.int32)
         n_valid = np.ones((b,), np.int32)
@@ -336,7 +340,7 @@ def pack_images(images: Sequence[ProcessedImage], cfg: VisionConfig, *,
         for slot, i in enumerate(ids):
             im = images[i]
             n = im.n_patches
-            patches[slot, :n] = im.patches.reshape(n, -1)
+            patches[slot, :n] = (im.pixels if raw else im.patches).reshape(n, -1)
             grid = np.arange(n)
             rows[slot, :n], cols[slot, :n] = grid // im.vit_grid[1], grid % im.vit_grid[1]
             n_valid[slot] = n
@@ -346,8 +350,21 @@ def pack_images(images: Sequence[ProcessedImage], cfg: VisionConfig, *,
     return groups
 
 
+def device_patches(patches, n_valid):
+    """bf16 patches [B, Nb, 3*p*p] as given, or from uint8 pixels: ``processor.PIXEL_TABLE`` looked
+    up on the device (``normalize``'s values exactly), rows past ``n_valid`` zero as in a bf16 pack."""
+    if patches.dtype != jnp.uint8:
+        return patches
+    from dsv41_jax.processor import PIXEL_TABLE
+
+    x = jnp.take(jnp.asarray(PIXEL_TABLE), patches.astype(jnp.int32), axis=0)
+    live = jnp.arange(patches.shape[1])[None, :, None] < n_valid[:, None, None]
+    return jnp.where(live, x, jnp.zeros((), x.dtype))
+
+
 def _tower_pure(graphdef, treedef, leaves, patches, rows, cols, n_valid, merge, q_block=0, impl="fp32"):
     vision, aligner = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
+    patches = device_patches(patches, n_valid)
     x = vision(patches, rows, cols, n_valid, q_block=q_block, impl=impl)
     return x, aligner(x, merge)
 
@@ -443,9 +460,8 @@ def encode_images(vision: ViT, aligner: Aligner, image_vectors: Any, images: Seq
     impl = attention_impl(mode)
     if bucket is None:
         bucket = default_bucket if mode == "fp32" else tight_bucket
-    vectors = image_vector_table(image_vectors, cd)
     if not images:
-        empty = jnp.zeros((0, vectors.shape[-1]), cd)
+        empty = jnp.zeros((0, image_vector_table(image_vectors, cd).shape[-1]), cd)
         return VisionOutputs(empty, empty, jnp.zeros((0, vision.cfg.hidden_size), cd)) if return_details else empty
     put, n_dev = jnp.asarray, 1
     if mesh is not None:
@@ -454,7 +470,7 @@ def encode_images(vision: ViT, aligner: Aligner, image_vectors: Any, images: Seq
         auto = jax.sharding.Mesh(mesh.devices, mesh.axis_names)  # Auto axes: let XLA propagate the sharding
         sharding = jax.sharding.NamedSharding(auto, jax.sharding.PartitionSpec(axis))
         put = lambda a: jax.device_put(a, sharding)  # noqa: E731
-    groups = pack_images(images, vision.cfg, bucket=bucket, batch_multiple=n_dev)
+    groups = pack_images(images, vision.cfg, bucket=bucket, batch_multiple=n_dev, pixels=True)
     vit_blocks, al_blocks = [], []
     for g in groups:
         args = (put(g.patches), put(g.rows), put(g.cols), put(g.n_valid), put(g.merge))
@@ -469,6 +485,8 @@ def encode_images(vision: ViT, aligner: Aligner, image_vectors: Any, images: Seq
             x, a = _tower(vision, aligner, *args, q_block=q_block, impl=impl)
         vit_blocks.append(x.reshape(-1, x.shape[-1]))
         al_blocks.append(a.reshape(-1, a.shape[-1]))
+    # (after the towers are dispatched: the host work below overlaps the device's)
+    vectors = image_vector_table(image_vectors, cd)
     sizes = [g.patches.shape[0] for g in groups]
     ids = [g.image_ids for g in groups]
     row_off = _rows_index(sizes, ids, [g.merge.shape[1] for g in groups])

@@ -1,0 +1,72 @@
+"""The ViT's attention at V4.1 size (one 1024-token image: 8704 padded patches, 16 heads x 64,
+bf16, no causal mask) on the GPU: cuDNN's flash attention (what ``vision.attention_bf16`` runs,
+with the padded keys masked by sequence length) against JAX's Mosaic GPU attention kernel
+(``jax.experimental.pallas.ops.gpu.attention_mgpu``: no key mask, so it attends the padded keys
+too: timing only, its values are compared on an unpadded length). One JSON line per row::
+
+    python3 benchmarks/probe_vit_attention.py
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def timeit(f, *a, reps=10):
+    jax.block_until_ready(f(*a))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def emit(**kw):
+    line = json.dumps(kw)
+    print(line, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "probe_vit_attention.jsonl"), "a") as f:
+            f.write(line + "\n")
+
+
+def main():
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as A
+
+    N, n_valid, H, d = 8704, 8649, 16, 64
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (1, N, H, d), jnp.float32).astype(jnp.bfloat16) for kk in (k1, k2, k3))
+    flops = 4.0 * n_valid * n_valid * H * d
+    lens = jnp.array([n_valid], jnp.int32)
+    cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, implementation="cudnn", query_seq_lengths=lens, key_value_seq_lengths=lens))
+    try:
+        t = timeit(cudnn, q, k, v)
+        emit(form="cudnn", ms=round(t * 1e3, 3), tflop_s=round(flops / t / 1e12, 1))
+    except Exception as e:  # noqa: BLE001
+        emit(form="cudnn", error=f"{type(e).__name__}: {str(e)[:300]}")
+    M = 8192  # the Mosaic kernel's values against cuDNN's on a length its blocks divide
+    ref = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))(
+        q[:, :M], k[:, :M], v[:, :M])
+    for bq, bkv, st in ((64, 64, 2), (128, 64, 2), (64, 128, 2), (128, 128, 2), (64, 64, 4), (128, 64, 3)):
+        cfg = A.TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=st)
+        try:
+            f = jax.jit(lambda q, k, v, cfg=cfg: A.attention(q, k, v, cfg))
+            t = timeit(f, q, k, v)
+            got = f(q[:, :M], k[:, :M], v[:, :M])
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref.astype(jnp.float32))))
+            emit(form="mosaic", block_q=bq, block_kv=bkv, stages=st, ms=round(t * 1e3, 3),
+                 tflop_s_if_unpadded=round(flops / t / 1e12, 1), max_abs_err_8192=err)
+        except Exception as e:  # noqa: BLE001
+            emit(form="mosaic", block_q=bq, block_kv=bkv, stages=st, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
