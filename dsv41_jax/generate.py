@@ -44,6 +44,7 @@ from flax import nnx
 from dsv41_jax import sharding as shd
 from dsv41_jax.buckets import DEFAULT_BUCKETS, Buckets, check_prompts, pad_prompts, round_up
 from dsv41_jax.sampling import SamplingParams, sample
+from dsv41_jax.weights import ValueReader
 
 F32 = jnp.float32
 FINISH_REASONS = {1: "stop", 2: "length"}
@@ -115,9 +116,7 @@ class _Split:
         if len(leaves) != len(self.variables) or any(a is not v.get_value() for a, v in zip(leaves, self.variables)):
             raise RuntimeError("generate: the split state does not list the model's Variables in path order")
         self.graph = FlatGraph(graphdef, treedef)
-
-    def leaves(self) -> list:
-        return [v.get_value() for v in self.variables]
+        self.leaves = ValueReader(self.variables)  # () -> the current value of every Variable
 
 
 _SPLITS: "weakref.WeakKeyDictionary[nnx.Module, _Split]" = weakref.WeakKeyDictionary()

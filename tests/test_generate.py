@@ -307,6 +307,33 @@ def test_split_once_per_model_and_weights_read_per_call(model, prompts, greedy):
     assert G._split_flat(model)[0] is not fg1 and G._split_flat(model)[0] == fg1
 
 
+def test_value_reader_reads_what_get_value_gives(model):
+    """``weights.ValueReader`` (the per-call reads of ``generate`` and ``encode_images``): for every
+    Variable of the model the same object ``get_value()`` returns, after an in-place
+    ``set_value`` too; a Variable with an ``on_get_value`` hook keeps ``get_value()`` (its hook
+    runs); the model's own Variables all take the direct read."""
+    from flax import nnx
+
+    from dsv41_jax.weights import ValueReader
+
+    split = G._Split(model)
+    reader = split.leaves
+    assert all(reader.plain) and len(reader.plain) == len(split.variables)
+    assert all(a is v.get_value() for a, v in zip(reader(), split.variables))
+    head = model.head.weight
+    old = head.get_value()
+    try:
+        head.set_value(old + 1)
+        i = [j for j, v in enumerate(split.variables) if v is head][0]
+        assert reader()[i] is head.get_value()
+    finally:
+        head.set_value(old)
+    hooked = nnx.Param(jnp.ones(3), on_get_value=lambda var, x: x * 2)
+    r = ValueReader([nnx.Param(jnp.ones(3)), hooked])
+    assert r.plain == [True, False]
+    np.testing.assert_array_equal(np.asarray(r()[1]), 2 * np.ones(3))
+
+
 def test_query_rope_in_place_prefill_only(model, prompts, monkeypatch):
     """``DSV41_ROPE_Q_IN_PLACE``: a prefill chunk's queries get their RoPE tail written back in
     place (one more ``dynamic_update_slice`` per attention layer in the traced forward) with the

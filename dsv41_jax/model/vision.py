@@ -38,6 +38,7 @@ from dsv41_jax.model.layers import F32, HIGHEST, Linear, RMSNorm
 from dsv41_jax.model.span import gather_spans, image_vector_table, span_gather_index
 from dsv41_jax.numerics import Numerics
 from dsv41_jax.processor import ProcessedImage
+from dsv41_jax.weights import ValueReader
 
 
 _GEMM_BF16_OUT: bool | None = None  # performance-mode GEMMs write bf16 themselves; None: on GPU only
@@ -392,6 +393,7 @@ class _Tower:
         if len(leaves) != len(self.variables) or any(a is not v.get_value() for a, v in zip(leaves, self.variables)):
             raise RuntimeError("vision tower: the split state does not list its Variables in path order")
         self._aligner = weakref.ref(aligner)
+        self._values = ValueReader(self.variables)
         key = (graphdef, treedef)
         if key not in _TOWER_FNS:
             _TOWER_FNS[key] = jax.jit(functools.partial(_tower_pure, graphdef, treedef),
@@ -399,7 +401,7 @@ class _Tower:
         self.fn = _TOWER_FNS[key]
 
     def __call__(self, *args, q_block: int = 0, impl: str = "fp32"):
-        return self.fn([v.get_value() for v in self.variables], *args, q_block=q_block, impl=impl)
+        return self.fn(self._values(), *args, q_block=q_block, impl=impl)
 
 
 _TOWERS: "weakref.WeakKeyDictionary[ViT, _Tower]" = weakref.WeakKeyDictionary()
