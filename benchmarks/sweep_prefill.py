@@ -34,7 +34,9 @@ epilogue against ``MoE._aq``'s; error columns against the first row of each size
 
 ``--part mgpu``: the routed experts' GEMMs of an 8k prefill (160-row blocks) as the Mosaic GPU
 kernel ``kernels.moe_mgpu`` (tokens as columns) over its tilings, against the Triton launches on
-the same block layout; ``rel_err`` / ``equal_frac`` against the Triton result.
+the same block layout; ``rel_err`` / ``equal_frac`` against the Triton result. Rows with a
+``probe`` (``moe_mgpu.Tiles.probe``) give wrong values by design (timing only); rows with
+``tiled`` hand the kernel a pre-tiled (``True``) or K-blocked (``"kblocked"``) copy of the codes.
 
 ``--part topk``: the indexer's top-512 of a prefill chunk (8192 rows of 4096 or 8192 entries) and
 of a batch-64 decode step: ``kernels.topk.topk_select`` against XLA's ``lax.top_k`` + sort

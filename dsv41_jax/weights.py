@@ -34,14 +34,15 @@ class ValueReader:
     ``get_value()`` copies through ``jax.tree.map`` and checks for array refs and hooks: ~3.4 us
     per Variable, ~4.5 ms for the 1317 Variables of the 40-layer model on every ``generate`` call
     and ~0.9 ms for the vision tower's 263 on every ``encode_images`` (docs/performance.md
-    session 26). A Variable whose metadata declares no ref, no hijax and no ``on_get_value`` hook
-    (decided once, here) is read with ``get_raw_value()`` (~0.1 us: the same array object); the
-    others keep ``get_value()``."""
+    session 26). A Variable whose class keeps ``nnx.Variable.get_value`` and whose metadata
+    declares no ref, no hijax and no ``on_get_value`` hook (decided once, here) is read with
+    ``get_raw_value()`` (~0.1 us: the same array object); the others keep ``get_value()``."""
 
     def __init__(self, variables):
         self.variables = list(variables)
-        self.plain = [not (m.get("ref") or m.get("hijax") or "on_get_value" in m)
-                      for m in (v.get_metadata() for v in self.variables)]
+        self.plain = [type(v).get_value is nnx.Variable.get_value
+                      and not (m.get("ref") or m.get("hijax") or "on_get_value" in m)
+                      for v, m in ((v, v.get_metadata()) for v in self.variables)]
 
     def __call__(self) -> list:
         return [v.get_raw_value() if p else v.get_value() for v, p in zip(self.variables, self.plain)]

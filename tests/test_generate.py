@@ -311,7 +311,8 @@ def test_value_reader_reads_what_get_value_gives(model):
     """``weights.ValueReader`` (the per-call reads of ``generate`` and ``encode_images``): for every
     Variable of the model the same object ``get_value()`` returns, after an in-place
     ``set_value`` too; a Variable with an ``on_get_value`` hook keeps ``get_value()`` (its hook
-    runs); the model's own Variables all take the direct read."""
+    runs), and so does a Variable class with its own ``get_value``; the model's own Variables all
+    take the direct read."""
     from flax import nnx
 
     from dsv41_jax.weights import ValueReader
@@ -328,10 +329,20 @@ def test_value_reader_reads_what_get_value_gives(model):
         assert reader()[i] is head.get_value()
     finally:
         head.set_value(old)
-    hooked = nnx.Param(jnp.ones(3), on_get_value=lambda var, x: x * 2)
-    r = ValueReader([nnx.Param(jnp.ones(3)), hooked])
-    assert r.plain == [True, False]
-    np.testing.assert_array_equal(np.asarray(r()[1]), 2 * np.ones(3))
+    class Doubled(nnx.Param):
+        def get_value(self, **kw):
+            return super().get_value(**kw) * 2
+
+    import warnings
+
+    with warnings.catch_warnings():  # (flax deprecates hooks; users may still set them)
+        warnings.simplefilter("ignore", UserWarning)
+        hooked = nnx.Param(jnp.ones(3), on_get_value=lambda var, x: x * 3)
+    r = ValueReader([nnx.Param(jnp.ones(3)), Doubled(jnp.ones(3)), hooked])
+    assert r.plain == [True, False, False]
+    got = r()
+    np.testing.assert_array_equal(np.asarray(got[1]), 2 * np.ones(3))
+    np.testing.assert_array_equal(np.asarray(got[2]), 3 * np.ones(3))
 
 
 def test_query_rope_in_place_prefill_only(model, prompts, monkeypatch):
