@@ -759,42 +759,31 @@ def bench_vit(model, cfg, tokens, modes=("fp32", "bf16")):
             out = encode_images(model.vision, model.aligner, model, [pi], num)
             jax.block_until_ready(out)
             first = time.perf_counter() - t0
-            ts = []
-            for _ in range(3):
-                t1 = time.perf_counter()
-                out = encode_images(model.vision, model.aligner, model, [pi], num)
-                jax.block_until_ready(out)
-                ts.append(time.perf_counter() - t1)
-            run = float(np.median(ts))
-            # the tower + aligner executable alone on inputs already on the device (the rest of
-            # encode_images' time is host work: packing, transfers, dispatch, the span gather)
-            impl = V.attention_impl(mode)
-            g = V.pack_images([pi], v, bucket=V.tight_bucket if mode != "fp32" else V.default_bucket)[0]
-            dev = [jnp.asarray(a) for a in (g.patches, g.rows, g.cols, g.n_valid, g.merge)]
-            tower = lambda: V._tower(model.vision, model.aligner, *dev,  # noqa: E731
-                                     q_block=V._query_block(g.patches.shape[1]), impl=impl)
-            tower_s, _ = bench(tower, warmup=1, iters=3)
-            # where encode_images' time beyond the tower goes (host work before the GPU starts):
-            # packing and sending the bf16 patches, or (what encode_images does since session 26)
-            # the uint8 pixels, normalized on the device
-            bk = V.tight_bucket if mode != "fp32" else V.default_bucket
-            row = dict(what="vit_host", vit_attention=mode, tower_s=tower_s)
-            for form, px in (("bf16", False), ("uint8", True)):
-                row[f"pack_{form}_s"], gp = bench(lambda px=px: V.pack_images([pi], v, bucket=bk, pixels=px),
-                                                  warmup=1, iters=5)
-                host = [(x.patches, x.rows, x.cols, x.n_valid, x.merge) for x in gp][0]
-                row[f"put_{form}_s"], devp = bench(lambda host=host: [jnp.asarray(a) for a in host], warmup=1, iters=5)
-                row[f"tower_{form}_s"], _ = bench(lambda devp=devp: V._tower(  # noqa: B023
-                    model.vision, model.aligner, *devp, q_block=V._query_block(gp[0].patches.shape[1]), impl=impl),
-                    warmup=1, iters=3)
-                row[f"patch_bytes_{form}"] = int(gp[0].patches.nbytes)
-            rets = []  # encode_images' host time (until it returns, the device still running)
+            ts, rets = [], []  # each call's time, and its host time (until it returns, the device running)
             for _ in range(3):
                 t1 = time.perf_counter()
                 out = encode_images(model.vision, model.aligner, model, [pi], num)
                 rets.append(time.perf_counter() - t1)
                 jax.block_until_ready(out)
-            row["encode_return_s"] = float(np.median(rets))
+                ts.append(time.perf_counter() - t1)
+            run = float(np.median(ts))
+            # where the call's time beyond the tower goes (host work before the GPU starts): packing
+            # and sending the bf16 patches, or (what encode_images does since session 26) the uint8
+            # pixels, normalized on the device; then the tower + aligner executable alone on inputs
+            # already on the device
+            impl = V.attention_impl(mode)
+            bk = V.tight_bucket if mode != "fp32" else V.default_bucket
+            row = dict(what="vit_host", vit_attention=mode, encode_return_s=float(np.median(rets)))
+            for form, px in (("bf16", False), ("uint8", True)):
+                row[f"pack_{form}_s"], gp = bench(lambda px=px: V.pack_images([pi], v, bucket=bk, pixels=px),
+                                                  warmup=1, iters=5)
+                host = (gp[0].patches, gp[0].rows, gp[0].cols, gp[0].n_valid, gp[0].merge)
+                row[f"put_{form}_s"], devp = bench(lambda host=host: [jnp.asarray(a) for a in host], warmup=1, iters=5)
+                row[f"tower_{form}_s"], _ = bench(lambda devp=devp, gp=gp: V._tower(
+                    model.vision, model.aligner, *devp, q_block=V._query_block(gp[0].patches.shape[1]), impl=impl),
+                    warmup=1, iters=3)
+                row[f"patch_bytes_{form}"] = int(gp[0].patches.nbytes)
+            tower_s = row["tower_bf16_s"]
             emit(**row)
             emit(what="vit", vit_attention=mode, attention_impl=impl, tower_s=tower_s,
                  cudnn_error=V._CUDNN_FAILED[0][:200] if V._CUDNN_FAILED else None,

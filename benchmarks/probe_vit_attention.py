@@ -8,33 +8,22 @@ in float16 over the padded keys too: timing only). One JSON line per row::
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, os.path.dirname(__file__))
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-def timeit(f, *a, reps=10):
-    jax.block_until_ready(f(*a))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*a))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+from bench_slice import bench, jsonl_emitter  # noqa: E402
+
+emit = jsonl_emitter("probe_vit_attention.jsonl")
 
 
-def emit(**kw):
-    line = json.dumps(kw)
-    print(line, flush=True)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "probe_vit_attention.jsonl"), "a") as f:
-            f.write(line + "\n")
+def timeit(f, *a):
+    return bench(f, *a, warmup=1, iters=10)[0]
 
 
 def main():
