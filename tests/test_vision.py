@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -132,6 +133,9 @@ def test_pixels_sent_as_uint8_give_the_same_bits(name):
     assert len(same) == 1 and same[0].patches.dtype == ml_dtypes.bfloat16
     assert V.pack_images([ims[0]], c.cfg.vision, pixels=True)[0].patches.dtype == np.uint8
     assert V.pack_images([ims[0]], c.cfg.vision)[0].patches.dtype == ml_dtypes.bfloat16
+    bad = dataclasses.replace(ims[0], pixels=ims[0].pixels[:-1])
+    with pytest.raises(ValueError, match=re.escape(f"image {ims[0].name}: pixels")):
+        V.pack_images([bad], c.cfg.vision, pixels=True)
 
 
 @pytest.mark.parametrize("name", ["image_fast_fp32", "image_fp8"])

@@ -333,6 +333,11 @@ def pack_images(images: Sequence[ProcessedImage], cfg: VisionConfig, *,
         rb = -(-rb // 8) * 8
         dim = images[ids[0]].patches[0].size
         raw = pixels and all(images[i].pixels is not None for i in ids)
+        for i in ids if raw else ():
+            px, pa = images[i].pixels, images[i].patches
+            if px.dtype != np.uint8 or px.shape != pa.shape:
+                raise ValueError(f"image {images[i].name}: pixels {px.shape} {px.dtype} do not match its patches "
+                                 f"{pa.shape} (uint8 of the same shape expected)")
         patches = np.zeros((b, nb, dim), np.uint8 if raw else images[ids[0]].patches.dtype)
         rows = np.zeros((b, nb), np.int32)
         cols = np.zeros((b, nb), np.int32)
