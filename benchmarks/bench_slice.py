@@ -99,6 +99,20 @@ def variant(tag: str, env: dict | None = None):
         jax.clear_caches()
 
 
+def apply_expert_layout(model) -> None:
+    """Store the int8 experts as ``DSV41_EXPERT_LAYOUT`` asks now (``rows``: unblocked, else
+    ``moe.block_expert_codes``'s choice), so that a variant that sets it (``--prefill-variants``,
+    ``--loop-variants``) runs on that layout; emits a row when the layout changes."""
+    from dsv41_jax.generate import forget
+    from dsv41_jax.model.moe import block_expert_codes, expert_layout, unblock_expert_codes
+
+    n = unblock_expert_codes(model) if expert_layout() == "rows" else block_expert_codes(model)
+    if n:
+        forget(model)
+        jax.block_until_ready(nnx.state(model))
+        emit(what="expert_layout", layout=expert_layout(), projections=n)
+
+
 def bench(fn, *args, warmup=2, iters=5, times=None):
     """Median seconds of ``iters`` calls (after ``warmup``); ``times``: a list that receives every
     call's seconds."""
@@ -906,6 +920,7 @@ def main():
     from dsv41_jax.model.moe import keep_kernel_scales
 
     keep_kernel_scales(model)  # as api.load does on one device: the prefill kernel's scale layout (3%)
+    apply_expert_layout(model)  # and the K-blocked codes (moe.block_expert_codes) where the kernels want them
     jax.block_until_ready(nnx.state(model))
     emit(what="build", layers=a.layers, router=a.router, param_gb=param_bytes(model) / 1e9, seconds=time.perf_counter() - t0,
          engram_rows=cfg.text.engram_num_embeddings, experts=a.experts, dense=a.dense)
@@ -918,8 +933,10 @@ def main():
             rnd = f"round{r}" if a.loop_rounds > 1 else ""
             for v in [""] + [v for v in a.loop_variants.split(";") if v]:
                 with variant(" ".join(w for w in (a.tag, v, rnd) if w), _env_pairs(v) if v else {}):
+                    apply_expert_layout(model)
                     bench_decode_loop(model, cfg, [int(b) for b in a.decode_loop.split(",")], a.ctx, a.loop_tokens,
                                       copy_tb_s)
+        apply_expert_layout(model)  # the default layout again
         if a.router == "ab":  # the same decode loops after balancing, in this process: the routers' A/B
             with variant(f"{a.tag} balanced".strip()):
                 balance_router(model, cfg)
@@ -935,7 +952,9 @@ def main():
         bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
         for v in [v for v in a.prefill_variants.split(";") if v]:  # same process, same weights
             with variant(f"{a.tag} {v}".strip(), _env_pairs(v)):
+                apply_expert_layout(model)
                 bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)  # compiles afresh
+            apply_expert_layout(model)  # the default layout again
         if mm_tflop_s:
             matmul_ceiling(when="after_prefill")
     for S in [int(s) for s in a.prefill_routing.split(",") if s]:

@@ -384,9 +384,60 @@ def check_moe_mgpu(D=5120, I=2304, E=64, T=4096, chunk=160):
         os.environ.pop(k)
 
 
+def check_kblocked(D=5120, I=2304, E=64, T=4096, chunk=160):
+    """K-blocked expert codes (``moe.block_expert_codes``) against the same codes in rows, through
+    ``MoE.routed_pallas`` at V4.1-Flash widths: the prefill under each ``DSV41_MOE_PREFILL`` (the
+    Mosaic GPU kernels with their K-blocked tiles, the Triton launches) and decode steps of 1 and 8
+    tokens (the Triton chunk-mode GEMVs, split-K) in fast and reference numerics: bit-equal where
+    the launches' tiles and split-K match (equal_frac), and the error against XLA's
+    ``routed_grouped`` on the rows (rel_err)."""
+    import importlib
+
+    from flax import nnx
+
+    from dsv41_jax.model.moe import block_expert_codes, keep_kernel_scales
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    int8_moe = importlib.import_module("test_moe_glu").int8_moe
+    os.environ["DSV41_MOE_CHUNK"] = str(chunk)
+    for numerics in ("bfloat16-fast", "bfloat16-reference"):
+        moe, rng = int8_moe(numerics, 5, hidden_size=D, n_routed_experts=E, num_experts_per_tok=6,
+                            moe_intermediate_size=I)
+        keep_kernel_scales(moe, force=True)
+        x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+        w, ids = moe.gate(x)
+        rows = nnx.split(moe)
+
+        def run(split, name, n):
+            gdef, state = split
+            return jax.jit(lambda st, *a: getattr(nnx.merge(gdef, st), name)(*a))(state, x[:n], w[:n], ids[:n])
+        want = {n: run(rows, "routed_grouped", n) for n in (T, 8, 1)}
+        base = {}
+        for mode in ("triton", "mgpu-glu"):
+            os.environ["DSV41_MOE_PREFILL"] = mode
+            base[mode] = run(rows, "routed_pallas", T)
+        for n in (8, 1):
+            base[n] = run(rows, "routed_pallas", n)
+        blocked = block_expert_codes(moe, force=True)
+        kb = nnx.split(moe)
+        for key, y in base.items():
+            n = key if isinstance(key, int) else T
+            if not isinstance(key, int):
+                os.environ["DSV41_MOE_PREFILL"] = key
+            got = run(kb, "routed_pallas", n)
+            emit(check="kblocked", numerics=numerics, what=f"prefill {key}" if n == T else f"decode {n}",
+                 projections=blocked, equal_frac=float(jnp.mean(got == y)), rel_err=rel(got, want[n]),
+                 rows_rel_err=rel(y, want[n]))
+    for k in ("DSV41_MOE_PREFILL", "DSV41_MOE_CHUNK"):
+        os.environ.pop(k, None)
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["moe_mgpu"]:
         check_moe_mgpu()
+        sys.exit(0)
+    if sys.argv[1:] == ["kblocked"]:
+        check_kblocked()
         sys.exit(0)
     if sys.argv[1:] == ["split_tail"]:
         check_split_tail(jax.random.key(9))
@@ -395,6 +446,7 @@ if __name__ == "__main__":
         check_gemm_out(jax.random.key(10))
         sys.exit(0)
     main()
+    check_kblocked()
     check_gemm_out(jax.random.key(10))
     check_split_tail(jax.random.key(9))
     check_indexer(jax.random.key(3))

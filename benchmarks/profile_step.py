@@ -321,6 +321,7 @@ def main():
     from dsv41_jax.model.moe import keep_kernel_scales
 
     keep_kernel_scales(model)  # as api.load does on one device
+    bs.apply_expert_layout(model)  # and the K-blocked codes where the kernels want them
     graphdef, state = _split(model)
     env = {k: v for k, v in os.environ.items() if k.startswith(("DSV41_", "XLA_FLAGS"))}
     seen: dict = {}

@@ -325,9 +325,10 @@ def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numeric
         model = restore_model(path, num, config=cfg, mesh=mesh, text_only=text_only, experts_int8=experts_int8,
                               dense_fp8=dense_fp8)
     if mesh is None and experts_int8:  # the prefill kernel's scale layout beside the scales (3%)
-        from dsv41_jax.model.moe import keep_kernel_scales
+        from dsv41_jax.model.moe import block_expert_codes, keep_kernel_scales
 
         keep_kernel_scales(model)
+        block_expert_codes(model)  # the codes K-blocked where the GPU kernels read them so (Hopper)
     tok = None
     tp = os.path.join(path, "tokenizer.json")
     if tokenizer and os.path.exists(tp):

@@ -222,15 +222,18 @@ class LazyArray:
         return out if dtype is None else out.astype(dtype)
 
 
-def lazy_from_array(arr, *, slab_bytes: int = 256 << 20, on_write=None) -> LazyArray:
-    """A LazyArray over an in-memory (numpy or jax) array."""
+def lazy_from_array(arr, *, slab_bytes: int = 256 << 20, on_write=None, view=None) -> LazyArray:
+    """A LazyArray over an in-memory (numpy or jax) array; ``view`` (optional): a function applied
+    to each slab of rows (along axis 0), e.g. ``kernels.qmatmul.unblock`` for K-blocked codes."""
     shape = tuple(arr.shape)
+    if view is not None:  # the view's shape, from an empty slab
+        shape = (shape[0], *view(np.zeros((0, *shape[1:]), np.dtype(arr.dtype))).shape[1:])
     dt = np.dtype(arr.dtype)
     ch = chunk_shape(shape, dt.itemsize)
     rows = _slab_rows(shape, dt.itemsize, ch, slab_bytes)
 
     def produce(a, b):
-        return np.asarray(arr[a:b])
+        return np.asarray(arr[a:b]) if view is None else np.ascontiguousarray(view(np.asarray(arr[a:b])))
 
     return LazyArray(shape, dt, produce, rows, ch, on_write)
 
@@ -447,8 +450,12 @@ def save_model(model, path: str, *, overwrite: bool = False, compress: bool = Fa
     flat = flat_params(model)
     groups: dict[str, dict[str, LazyArray]] = {}
     params = {}
+    from dsv41_jax.kernels.qmatmul import unblock
+
     for name, (_, var) in flat.items():
         arr = var.get_value()
+        # K-blocked int8 experts (``moe.block_expert_codes``) are written in rows, [E, out, in]
+        view = unblock if _INT8_EXPERT_RE.search(name) and arr.ndim == 4 else None
         enc = "float"
         if name.endswith(".engram.embed.weight") and np.dtype(arr.dtype) == np.dtype("float8_e4m3fn"):
             enc = "e4m3"
@@ -464,8 +471,8 @@ def save_model(model, path: str, *, overwrite: bool = False, compress: bool = Fa
                 and np.dtype(flat[name[: -len("scale")] + "weight"][1].get_value().dtype) == np.dtype("float8_e4m3fn"):
             enc = FP8_SCALE_ENC
         g = group_of(name)
-        groups.setdefault(g, {})[name] = lazy_from_array(arr)
-        params[name] = {"group": g, "shape": list(arr.shape), "dtype": np.dtype(arr.dtype).name, "encoding": enc}
+        lazy = groups.setdefault(g, {})[name] = lazy_from_array(arr, view=view)
+        params[name] = {"group": g, "shape": list(lazy.shape), "dtype": np.dtype(arr.dtype).name, "encoding": enc}
     for g in group_order(groups):
         write_group(os.path.join(part, PARAM_DIR, g), groups[g], compress=compress)
     cfg = model.config

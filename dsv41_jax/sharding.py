@@ -376,6 +376,9 @@ def shard_model(model, mesh, *, strict: bool = False, notes: list | None = None)
     from flax import nnx
     from jax.sharding import NamedSharding
 
+    from dsv41_jax.model.moe import unblock_expert_codes
+
+    unblock_expert_codes(model)  # the rules place [E, out, in] experts (K-blocked codes: one device)
     sizes = _mesh_sizes(mesh)
     state = nnx.state(model)
     pls = []

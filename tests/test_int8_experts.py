@@ -89,3 +89,34 @@ def test_save_model_of_int8_experts_restores_both_ways(tmp_path):
         assert [p for p, _ in fa] == [p for p, _ in fb]
         for (pa, va), (_, vb) in zip(fa, fb):
             np.testing.assert_array_equal(np.asarray(va.get_value()), np.asarray(vb.get_value()), err_msg=str(pa))
+
+
+def test_kblocked_experts_forward_and_save(tmp_path):
+    """The experts K-blocked (``moe.block_expert_codes``; w2's 32 inputs are not a multiple of 64
+    and stay in rows): the jitted prefill's logits equal the rows layout's bit for bit, and
+    ``save_model`` writes rows, which restore to the rows model's codes bit for bit;
+    ``sharding.shard_model`` restores rows before placing the weights."""
+    from dsv41_jax.checkpoint import read_meta, restore_model, save_model
+    from dsv41_jax.generate import forward_chunk
+    from dsv41_jax.model.moe import StackedWeight, block_expert_codes
+
+    num = Numerics("bfloat16", "reference")
+    q = load_original(FP8, num, text_only=True, experts_int8=True)
+    b = load_original(FP8, num, text_only=True, experts_int8=True)
+    stacked = [m for _, m in nnx.iter_graph(b) if isinstance(m, StackedWeight)]
+    assert block_expert_codes(b, force=True) == 2 * len(stacked) // 3
+    assert all(m.kblocked == (m.weight.shape[-1] == 64) for m in stacked)
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 240, (1, 11)), jnp.int32)
+    la, _ = forward_chunk(q, ids, q.init_cache(1, 16))
+    lb, _ = forward_chunk(b, ids, b.init_cache(1, 16))
+    np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
+    dst = save_model(b, str(tmp_path / "saved"), tokenizer_dir=FP8)
+    shapes = {k: v["shape"] for k, v in read_meta(dst)["params"].items() if ".ffn.experts.w1.weight" in k}
+    assert shapes and all(len(s) == 3 for s in shapes.values())
+    r = restore_model(dst, num, text_only=True, experts_int8=True)
+    for (pa, va), (_, vb) in zip(nnx.to_flat_state(nnx.state(r, nnx.Param)), nnx.to_flat_state(nnx.state(q, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(va.get_value()), np.asarray(vb.get_value()), err_msg=str(pa))
+    from dsv41_jax.sharding import mesh_from_spec, shard_model
+
+    shard_model(b, mesh_from_spec("1,1,1"))
+    assert not any(m.kblocked for m in stacked) and stacked[0].weight.shape == stacked[0].shape

@@ -94,6 +94,30 @@ def test_moe_glu_errors_and_lowering(monkeypatch):
     assert "moe_glu" in fq.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@pytest.mark.parametrize("bm", [16, 48])
+def test_moe_glu_on_kblocked_codes(bm):
+    """K-blocked codes (``qmatmul.kblock``) give the rows layout's h bit for bit (each program
+    reads the same values in the same order), in the interpreter and in the XLA form; the Triton
+    form lowers for CUDA."""
+    from dsv41_jax.kernels.qmatmul import kblock
+
+    rng = np.random.default_rng(7 + bm)
+    x, tok, rw, bg, w1, w3 = _problem(rng, jnp.bfloat16, True, bm, K=128)
+    kw = dict(bm=bm, limit=1.5)
+    k1, k3 = ((kblock(c), s) for c, s in (w1, w3))
+    nb = 4
+    for impl in ("interpret", "xla"):
+        rows = np.asarray(moe_glu(x, tok, rw, bg, nb, w1, w3, impl=impl, **kw), np.float32)[:nb * bm]
+        got = np.asarray(moe_glu(x, tok, rw, bg, nb, k1, k3, impl=impl, **kw), np.float32)[:nb * bm]
+        np.testing.assert_array_equal(got, rows)
+    f = jax.jit(lambda *a: moe_glu(*a[:4], 300, *a[4:], bm=160, limit=10.0, impl="triton"))
+    SD = jax.ShapeDtypeStruct
+    wk = (SD((384, 80, 2304, 64), jnp.int8), SD((384, 2304, 160), jnp.uint8))
+    args = (SD((2048, 5120), jnp.bfloat16), SD((160 * 400,), jnp.int32), SD((160 * 400,), F32), SD((400,), jnp.int32),
+            wk, wk)
+    assert "moe_glu" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def int8_moe(numerics: str, seed: int, **text_overrides):
     """A tiny-preset ``MoE`` (``numerics`` as "dtype-mode") with random int8 experts (fp4-range
     codes, ue8m0 scales; quantized in reference numerics) and a random gate: (moe, its rng)."""

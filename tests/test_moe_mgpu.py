@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dsv41_jax.kernels import moe_mgpu as MG
+from dsv41_jax.kernels import qmatmul as Q
 from dsv41_jax.kernels.qmatmul import dequantize
 
 F32 = jnp.float32
@@ -413,6 +414,77 @@ def test_chained_tiles_and_blocked_codes_equal_the_plain_kernel():
         got = MG._call(xt, bg, jnp.array([nb], jnp.int32), [(blocked, MG.scale_t(scale))], bm=32,
                        mult=default_mult(jnp.int8), tiles=MG.Tiles(steps=2), num_sms=2, interpret=True)
         assert np.array_equal(np.asarray(got)[:, :nb * 32], base), blocked.ndim
+    # the model's K-blocked layout (``qmatmul.kblock``) through the public entry point
+    kb = Q.kblock(codes)
+    assert np.array_equal(np.asarray(kb), np.asarray(codes.reshape(E, O, K // 64, 64).transpose(0, 2, 1, 3)))
+    got = MG.grouped_matmul_t(xt, bg, nb, kb, scale, bm=32, impl="interpret", tiles=MG.Tiles(steps=2), num_sms=2)
+    assert np.array_equal(np.asarray(got)[:, :nb * 32], base)
+    assert "tile_k=128" in MG.applies(O, K, 32, jnp.int8, BF16, MG.Tiles(tile_k=128), kblocked=True)
+    with pytest.raises(ValueError, match="tile_k=128"):
+        MG.grouped_matmul_t(xt, bg, nb, kb, scale, bm=32, impl="interpret", tiles=MG.Tiles(tile_k=128))
+
+
+@pytest.mark.parametrize("numerics", ["bfloat16-reference", "float32-fast"])
+def test_kblocked_experts_reach_every_prefill_and_decode_path(numerics, monkeypatch):
+    """``moe.block_expert_codes`` stores the int8 experts K-blocked; every routed path reads them so
+    and gives the rows layout's output bit for bit: the Mosaic GPU prefill (mgpu-glu; a stand-in
+    ``_call`` computing from the operands it gets shows the blocked codes and the K-blocked tiles
+    reach it), the Triton prefill and decode launches (interpreter) and the XLA forms.
+    ``unblock_expert_codes`` restores rows; ``DSV41_EXPERT_LAYOUT``: auto / rows / kblocked."""
+    from dsv41_jax.model import moe as M
+    from test_moe_glu import int8_moe
+
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    monkeypatch.setenv("DSV41_MOE_CHUNK", "32")
+    seen = []
+
+    def fake(xt, block_group, nb, weights, *, tiles, **kw):
+        seen.append((tuple(c.ndim for c, _ in weights), tiles))
+        return _fake_mgpu_call(xt, block_group, nb, weights, **kw)
+
+    monkeypatch.setattr(MG, "_call", fake)
+    rows, rng = int8_moe(numerics, 5, hidden_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                         moe_intermediate_size=128)
+    blk, _ = int8_moe(numerics, 5, hidden_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=128)
+    assert M.block_expert_codes(blk) == 0  # auto: rows off the Hopper kernel (the CPU)
+    assert M.block_expert_codes(blk, force=True) == 3
+    assert M.block_expert_codes(blk, force=True) == 0  # already blocked
+    for name in ("w1", "w2", "w3"):
+        a, b = getattr(rows.experts, name), getattr(blk.experts, name)
+        assert b.kblocked and b.weight.shape == (8, 2, 128, 64) and b.shape == a.shape == (8, 128, 128)
+        np.testing.assert_array_equal(np.asarray(b.values(F32)), np.asarray(a.values(F32)))
+    dt = rows.numerics.dtype
+    x = jnp.asarray(rng.standard_normal((40, 128)), dt)
+    w, ids = rows.gate(x)
+    cases = [("prefill triton", "triton", x, w, ids), ("decode", "triton", x[:3], w[:3], ids[:3])]
+    if dt == BF16:
+        monkeypatch.setenv("DSV41_MGPU_IMPL", "mosaic")
+        cases.append(("prefill mgpu-glu", "mgpu-glu", x, w, ids))
+    for what, mode, xi, wi, ii in cases:
+        monkeypatch.setenv("DSV41_MOE_PREFILL", mode)
+        seen.clear()
+        b = np.asarray(jax.jit(blk.routed_pallas)(xi, wi, ii), np.float32)
+        tiles_b = list(seen)
+        seen.clear()
+        a = np.asarray(jax.jit(rows.routed_pallas)(xi, wi, ii), np.float32)
+        np.testing.assert_array_equal(b, a, err_msg=what)
+        if mode == "mgpu-glu":  # the glu launch (w1 + w3), then w2, with the K-blocked tiles
+            lt = functools.partial(MG.launch_tiles, O=128, K=128, bm=32, codes_dtype=jnp.int8, x_dtype=BF16)
+            assert tiles_b == [((4, 4), MG.Tiles(steps=3)), ((4,), lt("w2", kblocked=True))]
+            assert seen == [((3, 3), MG.Tiles()), ((3,), lt("w2"))]
+    monkeypatch.delenv("DSV41_MOE_PREFILL")
+    for path in ("dense", "gather", "grouped", "ragged"):
+        monkeypatch.setenv("DSV41_MOE_PATH", path)
+        np.testing.assert_array_equal(np.asarray(blk(x)), np.asarray(rows(x)), err_msg=path)
+    monkeypatch.setenv("DSV41_EXPERT_LAYOUT", "rows")
+    assert M.unblock_expert_codes(blk) == 3 and not blk.experts.w2.kblocked
+    assert M.block_expert_codes(blk, force=True) == 0
+    monkeypatch.setenv("DSV41_EXPERT_LAYOUT", "kblocked")
+    assert M.block_expert_codes(blk) == 3
+    monkeypatch.setenv("DSV41_EXPERT_LAYOUT", "tiles")
+    with pytest.raises(ValueError, match="DSV41_EXPERT_LAYOUT"):
+        M.block_expert_codes(blk)
 
 
 def test_kernel_options_lower_and_reject_bad_tiles():

@@ -153,6 +153,80 @@ def test_kernel_interpret_matches_reference(kind, G, O, K, bm, nb, used, mode, t
     assert np.all(np.abs(np.asarray(got16, np.float64) - ref32) <= ulp + 1e-30)
 
 
+# K-blocked codes (``Q.kblock``): the int8 cases above whose K is a multiple of 64, in every mode
+# but "reduce" (which does not take them), plus a fused launch
+KBLOCKED = [c for c in CASES if c[0] == "int8" and (c[3] // c[8].get("splitk", 1)) % Q.KBLOCK == 0
+            and c[7] != "reduce"]
+
+
+@pytest.mark.parametrize("kind,G,O,K,bm,nb,used,mode,tiles", KBLOCKED, ids=[_case_id(c) for c in KBLOCKED])
+def test_kblocked_codes_give_the_rows_results(kind, G, O, K, bm, nb, used, mode, tiles):
+    """The kernel on K-blocked codes equals the kernel on the same codes in rows: bit for bit where
+    both choose the same tiles and split-K (each program reads the same values in the same
+    order), else up to fp32 summation order; the XLA form unblocks."""
+    rng = np.random.default_rng(2)
+    codes, scale = _weights(rng, kind, G, O, K)
+    kb = Q.kblock(codes)
+    assert kb.shape == (G, K // 64, O, 64) and Q.code_dims(kb) == (G, O, K)
+    np.testing.assert_array_equal(np.asarray(Q.unblock(kb)), np.asarray(codes))
+    np.testing.assert_array_equal(np.asarray(kb[1, 2, 3]), np.asarray(codes[1, 3, 128:192]) if K > 128 else
+                                  np.asarray(kb[1, 2, 3]))
+    x = jnp.asarray(rng.standard_normal((nb * bm, K)), jnp.bfloat16)
+    bg = jnp.asarray(rng.integers(0, G, nb), jnp.int32).at[0].set(G - 1)
+    rows_cfg = Q.choose_config(bm, O, K, True, mode, groups=G, nb=nb, **tiles)
+    blk_cfg = Q.choose_config(bm, O, K, True, mode, groups=G, nb=nb, kblocked=True, **tiles)
+    assert blk_cfg.bk % Q.KBLOCK == 0 and (K // blk_cfg.splitk) % Q.KBLOCK == 0
+    got = Q.grouped_qmatmul(x, bg, used, kb, scale, bm=bm, out_dtype=F32, impl="interpret", mode=mode, **tiles)
+    rows = Q.grouped_qmatmul(x, bg, used, codes, scale, bm=bm, out_dtype=F32, impl="interpret", mode=mode, **tiles)
+    if rows_cfg == blk_cfg:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(rows))
+    assert _rel(got, rows) < 1e-6
+    assert np.all(np.asarray(got[used * bm:]) == 0) and np.max(np.abs(np.asarray(got[: used * bm]))) > 0
+    xla = Q.grouped_qmatmul(x, bg, used, kb, scale, bm=bm, out_dtype=F32, impl="xla")
+    np.testing.assert_array_equal(np.asarray(xla), np.asarray(Q.grouped_qmatmul_reference(
+        x, bg, used, codes, scale, bm=bm, out_dtype=F32)))
+
+
+def test_kblocked_codes_in_fused_and_multi_launches():
+    rng = np.random.default_rng(12)
+    ws = [_weights(rng, "int8", 6, O, 1024) for O in (40, 72)]
+    kws = [(Q.kblock(c), s) for c, s in ws]
+    x = jnp.asarray(rng.standard_normal((5, 1024)), jnp.bfloat16)
+    bg = jnp.asarray([5, 0, 3, 3, 1], jnp.int32)
+    got = Q.grouped_qmatmul_fused(x, bg, 4, kws, bm=1, out_dtype=F32, impl="interpret")
+    rows = Q.grouped_qmatmul_fused(x, bg, 4, ws, bm=1, out_dtype=F32, impl="interpret")
+    for a, b in zip(got, rows):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    dense = [(c[0], s[0]) for c, s in (_weights(rng, "fp8", 1, O, 1024) for O in (64, 40))]
+    xd = jnp.asarray(rng.standard_normal((1, 1024)), jnp.bfloat16)
+    problems = [dict(x=x, block_group=bg, n_blocks=4, weights=kws, bm=1, out_dtype=F32),
+                dict(x=xd, block_group=jnp.zeros((1,), jnp.int32), n_blocks=1, weights=dense, bm=1, out_dtype=F32)]
+    multi = Q.grouped_qmatmul_multi(problems, impl="interpret")
+    for a, b in zip(multi[0], rows):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="layout"):  # one launch takes one layout
+        Q.grouped_qmatmul_fused(x, bg, 4, [kws[0], ws[1]], bm=1, impl="interpret")
+    with pytest.raises(ValueError, match="reduce"):
+        Q.grouped_qmatmul(x, bg, 4, *kws[0], bm=1, impl="interpret", mode="reduce")
+    with pytest.raises(ValueError, match="64-input ranges"):  # K ranges of whole 64-input blocks
+        Q.choose_config(1, 40, 256, True, groups=6, kblocked=True, splitk=8)
+    with pytest.raises(ValueError, match="K-blocked"):  # blocks of another width
+        Q.grouped_qmatmul(x, bg, 4, ws[0][0].reshape(6, 40, 32, 32).swapaxes(1, 2), ws[0][1], bm=1, impl="interpret")
+
+
+@pytest.mark.parametrize("bm,mode,tiles", [(1, "auto", {}), (8, "auto", {}), (160, "auto", {}),
+                                            (128, "dot", {"split": True})], ids=["chunk", "small", "large", "split"])
+def test_kblocked_codes_lower_for_cuda(bm, mode, tiles):
+    """The Triton kernel's K-blocked reads (a 3-D tile transposed in registers) lower for CUDA at
+    V4.1-Flash widths (checked without a GPU)."""
+    SD = jax.ShapeDtypeStruct
+    R = bm * 6 if bm > 1 else 8
+    args = (SD((R, 5120), jnp.bfloat16), SD((R // bm,), jnp.int32), SD((384, 80, 2304, 64), jnp.int8),
+            SD((384, 2304, 160), jnp.uint8))
+    f = jax.jit(lambda x, bg, c, sc: Q.grouped_qmatmul(x, bg, 3, c, sc, bm=bm, impl="triton", mode=mode, **tiles))
+    assert "grouped_qmatmul" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_auto_splitk_policy():
     # decode GEMVs get enough programs; K ranges stay whole 32-input scale blocks
     assert Q.auto_splitk(36 * 6, 5120) == 4      # routed w1/w3, one token: 216 programs

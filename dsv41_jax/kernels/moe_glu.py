@@ -36,9 +36,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from dsv41_jax import quant
-from dsv41_jax.kernels.qmatmul import (QBLOCK, _check, _grouped, _largest_pow2_divisor, _load, _pow2_at_least, _store,
-                                      default_mult, env_tiles, grouped_qmatmul_reference, kernel_impl, row_tiles,
-                                      scale_values)
+from dsv41_jax.kernels.qmatmul import (KBLOCK, QBLOCK, _check, _code_tile, _grouped, _largest_pow2_divisor, _load,
+                                      _pow2_at_least, _store, code_dims, default_mult, env_tiles,
+                                      grouped_qmatmul_reference, is_kblocked, kernel_impl, row_tiles, scale_values)
 
 F32 = jnp.float32
 # Tiles measured on one H200 (sweep_prefill.py --part glu, run 27): ``bo`` output columns of each weight
@@ -166,7 +166,7 @@ def moe_glu_reference(x, row_token, row_weight, block_group, n_blocks, w1, w3, *
 
 def _kernel(nb_ref, sel_ref, bg_ref, tok_ref, rw_ref, x_ref, *refs, bm: int, tm: int, tail: int, bo: int, bk: int,
             I: int, K: int, scaled: bool, mult: float, limit: float, gathered: bool, act_quant: bool, cd, out_dtype,
-            fp8_round=None, want: int = -1):
+            fp8_round=None, want: int = -1, kblocked: bool = False):
     from jax.experimental import pallas as pl
 
     from dsv41_jax.model.moe import swiglu
@@ -202,7 +202,7 @@ def _kernel(nb_ref, sel_ref, bg_ref, tok_ref, rw_ref, x_ref, *refs, bm: int, tm:
             if not scaled:
                 return _load(w[0].at[e, pl.ds(o0, bo), pl.ds(k0, bk)], omask, 0).astype(cd)
             b0 = pl.multiple_of(k0 // QBLOCK, nkb)
-            c = _load(w[0].at[e, pl.ds(o0, bo), pl.ds(b0, nkb), :], omask[:, :, None], 0)   # [bo, nkb, 32]
+            c = _code_tile(w[0], e, o0, bo, k0, bk, omask, kblocked, 0)                     # [bo, nkb, 32]
             s = _load(w[1].at[e, pl.ds(o0, bo), pl.ds(b0, nkb)], omask, 0)                  # [bo, nkb]
             return (c.astype(F32) * scale_values(s, mult)[:, :, None]).reshape(bo, bk).astype(cd)
 
@@ -238,7 +238,7 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
             split_tail=None, **tiles):
     """``x [T, K]`` (the compute dtype), ``row_token [R]`` int32 (-1: padding row),
     ``row_weight [R]`` fp32, ``block_group [R // bm]``, ``n_blocks`` (used blocks), ``w1`` / ``w3``
-    as ``(codes [G, I, K], scale [G, I, K // 32] or None)`` -> ``h [R, I]`` in ``out_dtype``
+    as ``(codes [G, I, K] (or K-blocked, ``qmatmul.kblock``), scale [G, I, K // 32] or None)`` -> ``h [R, I]`` in ``out_dtype``
     (default ``x.dtype``); see the module docstring. A block of ``bm`` rows runs as a power of
     two plus a power-of-two tail >= 16 where it is one (160 = 128 + 32), else as one tile of the
     next power of two (>= 16) with masked rows, as ``qmatmul``. ``tiles``: ``TILES`` fields.
@@ -272,21 +272,23 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
     t = env_tiles("DSV41_MOE_GLU_TILES", TILES)
     t.update(tiles)
     tm, tail = row_tiles(bm)
-    I = c1.shape[1]
+    I = code_dims(c1)[1]
+    kblocked = is_kblocked(c1)
     act_quant = act_quant and I % QBLOCK == 0
     bo = min(t["bo"], max(16, _pow2_at_least(I)))
     if act_quant:
         bo = max(bo, QBLOCK)
     bk = _largest_pow2_divisor(K, t["bk"])
     scaled = s1 is not None
-    if scaled and bk < QBLOCK:
-        raise ValueError(f"moe_glu: K={K} has no power-of-two step >= {QBLOCK}")
+    quantum = KBLOCK if kblocked else QBLOCK
+    if scaled and bk < quantum:
+        raise ValueError(f"moe_glu: K={K} has no power-of-two step >= {quantum}")
     interpret = impl == "interpret"
     gathered = interpret or gather == "xla"
     xin = gather_rows(x, row_token) if gathered else x
     ws = []
     for c, s in ((c1, s1), (c3, s3)):
-        ws += [c.reshape(*c.shape[:2], K // QBLOCK, QBLOCK), s] if scaled else [c]
+        ws += [c if kblocked else c.reshape(*c.shape[:2], K // QBLOCK, QBLOCK), s] if scaled else [c]
     nb = R // bm
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=t["num_warps"],
                                                                            num_stages=t["num_stages"]))
@@ -304,7 +306,7 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
         kern = functools.partial(_kernel, bm=bm, tm=tm, tail=tail, bo=bo, bk=bk, I=I, K=K, scaled=scaled, mult=mult,
                                  limit=float(limit), gathered=gathered, act_quant=act_quant, cd=x.dtype,
                                  fp8_round=quant.kernel_fp8_round() if act_quant else None,
-                                 out_dtype=out_dtype, want=want)
+                                 out_dtype=out_dtype, want=want, kblocked=kblocked)
         extra = {} if prev is None else dict(input_output_aliases={len(ins): 0})
         return pl.pallas_call(kern, out_shape=jax.ShapeDtypeStruct((R, I), out_dtype), grid=(pl.cdiv(I, bo), nb),
                               interpret=interpret, cost_estimate=cost, name="moe_glu", **params, **extra)(

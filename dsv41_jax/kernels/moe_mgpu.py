@@ -46,7 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dsv41_jax.kernels.qmatmul import QBLOCK, _check, _grouped, default_mult, grouped_qmatmul_reference
+from dsv41_jax.kernels.qmatmul import (KBLOCK, QBLOCK, _check, _grouped, code_dims, default_mult,
+                                      grouped_qmatmul_reference, is_kblocked)
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -107,6 +108,10 @@ def _has_wgmma() -> bool:
 # w2 (5120 x 2304 at V4.1-Flash widths) is fastest with 128-row warpgroup tiles and three stages
 # (run 32, H200: 2.89 ms against 3.26 ms with the defaults); w1, w3 and the fused GLU with the defaults
 W2_TILES = Tiles(tile_m=128, steps=3)
+BEST_TILES = {"w2": W2_TILES}
+# with K-blocked codes three stages are best for the fused GLU too (run 36, H100: 5.63 ms against
+# 5.74 ms with four); w2 keeps W2_TILES (2.83 ms, the same as four stages)
+KBLOCKED_TILES = {"glu": Tiles(steps=3), "w2": W2_TILES}
 
 
 def env_tiles(default: Tiles | None = None) -> Tiles:
@@ -123,8 +128,10 @@ def env_tiles(default: Tiles | None = None) -> Tiles:
         raise ValueError(f"DSV41_MGPU_TILES={raw!r}: a JSON object of {list(Tiles.__dataclass_fields__)}") from e
 
 
-def applies(O: int, K: int, bm: int, codes_dtype, x_dtype, tiles: Tiles | None = None) -> str | None:
-    """None where the kernel takes these shapes, else the reason it does not."""
+def applies(O: int, K: int, bm: int, codes_dtype, x_dtype, tiles: Tiles | None = None,
+            kblocked: bool = False) -> str | None:
+    """None where the kernel takes these shapes (``kblocked``: K-blocked codes, ``qmatmul.kblock``),
+    else the reason it does not."""
     t = tiles or Tiles()
     if codes_dtype != jnp.int8 or x_dtype != BF16:
         return f"int8 codes and bf16 tokens only (got {codes_dtype}, {x_dtype})"
@@ -132,6 +139,8 @@ def applies(O: int, K: int, bm: int, codes_dtype, x_dtype, tiles: Tiles | None =
         return f"{O} output rows for tile_m={t.tile_m} (two per CTA)"
     if t.tile_k % 64 or K % t.tile_k:
         return f"K={K} for tile_k={t.tile_k} (a multiple of 64 dividing K)"
+    if kblocked and t.tile_k != KBLOCK:
+        return f"K-blocked codes for tile_k={t.tile_k} (their blocks are {KBLOCK} inputs)"
     if bm % 32 or not 32 <= bm <= 256:
         return f"row blocks of {bm} rows (a multiple of 32 up to 256)"
     if t.cluster not in (1, 2) or O % (2 * t.cluster * t.tile_m):
@@ -147,13 +156,14 @@ def applies(O: int, K: int, bm: int, codes_dtype, x_dtype, tiles: Tiles | None =
 PROBES = ("const_lhs", "one_expert", "no_store")
 
 
-def launch_tiles(proj: str, O: int, K: int, bm: int, codes_dtype, x_dtype) -> Tiles | None:
-    """A launch's tiles: the measured best for ``proj`` ("w1", "w3", "glu", "w2": ``W2_TILES``)
-    where they take the shapes, else the defaults, ``DSV41_MGPU_TILES`` overriding fields of
-    either; None where the kernel takes neither."""
-    for base in ((W2_TILES, Tiles()) if proj == "w2" else (Tiles(),)):
+def launch_tiles(proj: str, O: int, K: int, bm: int, codes_dtype, x_dtype, kblocked: bool = False) -> Tiles | None:
+    """A launch's tiles: the measured best for ``proj`` ("w1", "w3", "glu", "w2": ``W2_TILES``;
+    with K-blocked codes ``KBLOCKED_TILES``) where they take the shapes, else the defaults,
+    ``DSV41_MGPU_TILES`` overriding fields of either; None where the kernel takes neither."""
+    best = (KBLOCKED_TILES if kblocked else BEST_TILES).get(proj)
+    for base in ((best,) if best else ()) + (Tiles(),):
         t = env_tiles(base)
-        if applies(O, K, bm, codes_dtype, x_dtype, t) is None:
+        if applies(O, K, bm, codes_dtype, x_dtype, t, kblocked) is None:
             return t
     return None
 
@@ -233,8 +243,8 @@ def grouped_matmul_t(xt, block_group, n_blocks, codes, scale, *, bm: int, out_dt
         return grouped_matmul_t_reference(xt, block_group, n_blocks, codes, scale, bm=bm, out_dtype=out_dtype,
                                           mult=mult, x_rows=x_rows, out_rows=out_rows)
     tiles = tiles or env_tiles()
-    E, O, _ = codes.shape
-    why = applies(O, K, bm, codes.dtype, xt.dtype, tiles)
+    E, O, _ = code_dims(codes)
+    why = applies(O, K, bm, codes.dtype, xt.dtype, tiles, is_kblocked(codes))
     if why is None and jnp.dtype(out_dtype) != BF16:
         why = f"bf16 results only (got {jnp.dtype(out_dtype)})"
     if why is not None or scale is None:
@@ -288,7 +298,7 @@ def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: floa
         return (w.astype(F32) * swiglu(g, u, limit)).astype(BF16)
     tiles = tiles or env_tiles()
     _check(jax.ShapeDtypeStruct((R, K), xt.dtype), block_group, c1, s1, bm)
-    why = applies(c1.shape[1], K, bm, c1.dtype, xt.dtype, tiles)
+    why = applies(code_dims(c1)[1], K, bm, c1.dtype, xt.dtype, tiles, is_kblocked(c1))
     if why is not None:
         raise ValueError(f"grouped_glu_t: the Mosaic GPU kernel does not apply: {why}")
     nb = jnp.reshape(jnp.asarray(n_blocks, jnp.int32), (1,))
