@@ -478,10 +478,15 @@ def test_kblocked_experts_reach_every_prefill_and_decode_path(numerics, monkeypa
         monkeypatch.setenv("DSV41_MOE_PATH", path)
         np.testing.assert_array_equal(np.asarray(blk(x)), np.asarray(rows(x)), err_msg=path)
     monkeypatch.setenv("DSV41_EXPERT_LAYOUT", "rows")
-    assert M.unblock_expert_codes(blk) == 3 and not blk.experts.w2.kblocked
+    assert M.unblock_expert_codes(blk, via_host=True) == 3 and not blk.experts.w2.kblocked
     assert M.block_expert_codes(blk, force=True) == 0
+    for name in ("w1", "w2", "w3"):  # through host memory (a device without room for two copies)
+        np.testing.assert_array_equal(np.asarray(getattr(blk.experts, name).weight[...]),
+                                      np.asarray(getattr(rows.experts, name).weight[...]))
     monkeypatch.setenv("DSV41_EXPERT_LAYOUT", "kblocked")
-    assert M.block_expert_codes(blk) == 3
+    assert M.block_expert_codes(blk, via_host=True) == 3
+    np.testing.assert_array_equal(np.asarray(blk.experts.w2.weight[...]), np.asarray(Q.kblock(rows.experts.w2.weight[...])))
+    assert M.unblock_expert_codes(blk) == 3 and M.block_expert_codes(blk) == 3
     monkeypatch.setenv("DSV41_EXPERT_LAYOUT", "tiles")
     with pytest.raises(ValueError, match="DSV41_EXPERT_LAYOUT"):
         M.block_expert_codes(blk)

@@ -148,7 +148,32 @@ def expert_layout() -> str:
     return mode
 
 
-def block_expert_codes(model, *, force: bool = False) -> int:
+def _relayout(var, fn, jitted, via_host: bool | None = None) -> None:
+    """Replace the array of ``var`` by ``fn`` of it: on its device where twice its bytes are free
+    (``jitted``: ``fn`` jitted; XLA's transpose also takes scratch to tune), else through host
+    memory, the device copy dropped before the new one is placed (run 37: the device transpose of a
+    4.2 GB projection ran out of memory beside an H100's full slice). ``via_host`` forces either."""
+    import numpy as np
+
+    w = var[...]
+    if via_host is None:
+        try:
+            stats = next(iter(w.sharding.device_set)).memory_stats() or {}
+            free = stats["bytes_limit"] - stats["bytes_in_use"]
+        except (AttributeError, KeyError, StopIteration, RuntimeError):
+            free = None  # (no statistics, e.g. the CPU backend: host memory either way)
+        via_host = free is not None and free < 2 * w.nbytes
+    if not via_host:
+        var.set_value(jitted(w))
+        return
+    sharding = w.sharding
+    host = np.asarray(jax.device_get(w))
+    var.set_value(jnp.zeros((0,), w.dtype))  # the old device buffer goes before the new one comes
+    del w
+    var.set_value(jax.device_put(np.ascontiguousarray(fn(host)), sharding))
+
+
+def block_expert_codes(model, *, force: bool = False, via_host: bool | None = None) -> int:
     """Store every int8 ``StackedWeight`` of ``model`` K-blocked (``kernels.qmatmul.kblock``:
     ``[E, in / 64, out, 64]``), in place, where :func:`expert_layout` asks for it (``force``:
     regardless, unless it is ``rows``). Every reader follows the layout (the Triton and Mosaic GPU
@@ -158,8 +183,9 @@ def block_expert_codes(model, *, force: bool = False) -> int:
     launches. Projections whose input width is not a multiple of 64 stay in rows. A single-device
     layout: weights spread over several devices are refused (``sharding.shard_model`` restores
     rows first). ``api.load`` calls it for models on one device; checkpoints are written in rows
-    (``save_model``). Costs one projection's codes of transient device memory. Returns how many
-    projections it blocked. Structural change: ``generate.forget(model)`` if it already ran."""
+    (``save_model``). Each projection is transposed on its device where twice its bytes are free,
+    else through host memory (``via_host`` forces either). Returns how many projections it
+    blocked. Structural change: ``generate.forget(model)`` if it already ran."""
     from dsv41_jax.kernels import moe_mgpu
     from dsv41_jax.kernels.qmatmul import KBLOCK, kblock
 
@@ -176,22 +202,23 @@ def block_expert_codes(model, *, force: bool = False) -> int:
         if sh is not None and len(sh.device_set) > 1:
             raise ValueError(f"block_expert_codes: {'.'.join(map(str, path))}.weight is spread over several "
                              "devices; K-blocked expert codes are a single-device layout")
-        mod.weight.set_value(to_blocks(w))
+        del w
+        _relayout(mod.weight, kblock, to_blocks, via_host)
         mod.kblocked = True
         n += 1
     return n
 
 
-def unblock_expert_codes(model) -> int:
-    """Undo :func:`block_expert_codes` (the rows layout ``[E, out, in]``), in place; returns how
-    many projections changed."""
+def unblock_expert_codes(model, *, via_host: bool | None = None) -> int:
+    """Undo :func:`block_expert_codes` (the rows layout ``[E, out, in]``), in place, as it does
+    (``via_host``); returns how many projections changed."""
     from dsv41_jax.kernels.qmatmul import unblock
 
     to_rows = jax.jit(unblock)
     n = 0
     for _, mod in nnx.iter_graph(model):
         if isinstance(mod, StackedWeight) and mod.kblocked:
-            mod.weight.set_value(to_rows(mod.weight[...]))
+            _relayout(mod.weight, unblock, to_rows, via_host)
             mod.kblocked = False
             n += 1
     return n
