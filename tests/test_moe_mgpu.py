@@ -447,7 +447,13 @@ def test_kblocked_experts_reach_every_prefill_and_decode_path(numerics, monkeypa
                          moe_intermediate_size=128)
     blk, _ = int8_moe(numerics, 5, hidden_size=128, n_routed_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=128)
+    assert M.expert_layout() == M.DEFAULT_EXPERT_LAYOUT == "rows" and M.block_expert_codes(blk) == 0
+    monkeypatch.setenv("DSV41_EXPERT_LAYOUT", "auto")
     assert M.block_expert_codes(blk) == 0  # auto: rows off the Hopper kernel (the CPU)
+    monkeypatch.setenv("DSV41_MGPU_IMPL", "mosaic")
+    assert M.expert_layout() == "kblocked"  # where the Mosaic GPU prefill runs
+    monkeypatch.delenv("DSV41_MGPU_IMPL")
+    monkeypatch.delenv("DSV41_EXPERT_LAYOUT")
     assert M.block_expert_codes(blk, force=True) == 3
     assert M.block_expert_codes(blk, force=True) == 0  # already blocked
     for name in ("w1", "w2", "w3"):
@@ -479,7 +485,7 @@ def test_kblocked_experts_reach_every_prefill_and_decode_path(numerics, monkeypa
         np.testing.assert_array_equal(np.asarray(blk(x)), np.asarray(rows(x)), err_msg=path)
     monkeypatch.setenv("DSV41_EXPERT_LAYOUT", "rows")
     assert M.unblock_expert_codes(blk, via_host=True) == 3 and not blk.experts.w2.kblocked
-    assert M.block_expert_codes(blk, force=True) == 0
+    assert M.block_expert_codes(blk) == 0
     for name in ("w1", "w2", "w3"):  # through host memory (a device without room for two copies)
         np.testing.assert_array_equal(np.asarray(getattr(blk.experts, name).weight[...]),
                                       np.asarray(getattr(rows.experts, name).weight[...]))
