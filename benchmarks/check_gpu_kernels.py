@@ -330,14 +330,10 @@ def check_gemm_out(key):
              equal_frac=float(jnp.mean(a == b)), rel_err=rel(a, b))
 
 
-def check_moe_mgpu(D=5120, I=2304, E=64, T=4096, chunk=160):
-    """A prefill's routed experts through ``MoE.routed_pallas`` under each ``DSV41_MOE_PREFILL``
-    (the Mosaic GPU kernels with the row layouts, and the Triton launches) against
-    ``MoE.routed_grouped`` (XLA), in fast and reference numerics: int8 experts at V4.1-Flash widths
-    (5120 -> 2304), 64 of them, 4096 tokens x 6 (160-row blocks, padded and unused blocks)."""
+def _flash_moes(D, I, E, T, chunk):
+    """(numerics, moe, x, w, ids) for fast and reference numerics: ``test_moe_glu.int8_moe`` at
+    the given widths with T random tokens and their routing; sets ``DSV41_MOE_CHUNK``."""
     import importlib
-
-    from flax import nnx
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     int8_moe = importlib.import_module("test_moe_glu").int8_moe
@@ -346,7 +342,17 @@ def check_moe_mgpu(D=5120, I=2304, E=64, T=4096, chunk=160):
         moe, rng = int8_moe(numerics, 5, hidden_size=D, n_routed_experts=E, num_experts_per_tok=6,
                             moe_intermediate_size=I)
         x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
-        w, ids = moe.gate(x)
+        yield (numerics, moe, x, *moe.gate(x))
+
+
+def check_moe_mgpu(D=5120, I=2304, E=64, T=4096, chunk=160):
+    """A prefill's routed experts through ``MoE.routed_pallas`` under each ``DSV41_MOE_PREFILL``
+    (the Mosaic GPU kernels with the row layouts, and the Triton launches) against
+    ``MoE.routed_grouped`` (XLA), in fast and reference numerics: int8 experts at V4.1-Flash widths
+    (5120 -> 2304), 64 of them, 4096 tokens x 6 (160-row blocks, padded and unused blocks)."""
+    from flax import nnx
+
+    for numerics, moe, x, w, ids in _flash_moes(D, I, E, T, chunk):
         # the weights as arguments (a jitted bound method would capture them as constants)
         gdef, state = nnx.split(moe)
 
@@ -391,21 +397,12 @@ def check_kblocked(D=5120, I=2304, E=64, T=4096, chunk=160):
     tokens (the Triton chunk-mode GEMVs, split-K) in fast and reference numerics: bit-equal where
     the launches' tiles and split-K match (equal_frac), and the error against XLA's
     ``routed_grouped`` on the rows (rel_err)."""
-    import importlib
-
     from flax import nnx
 
     from dsv41_jax.model.moe import block_expert_codes, keep_kernel_scales
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    int8_moe = importlib.import_module("test_moe_glu").int8_moe
-    os.environ["DSV41_MOE_CHUNK"] = str(chunk)
-    for numerics in ("bfloat16-fast", "bfloat16-reference"):
-        moe, rng = int8_moe(numerics, 5, hidden_size=D, n_routed_experts=E, num_experts_per_tok=6,
-                            moe_intermediate_size=I)
+    for numerics, moe, x, w, ids in _flash_moes(D, I, E, T, chunk):
         keep_kernel_scales(moe, force=True)
-        x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
-        w, ids = moe.gate(x)
         rows = nnx.split(moe)
 
         def run(split, name, n):
