@@ -238,10 +238,11 @@ def moe_glu(x, row_token, row_weight, block_group, n_blocks, w1, w3, *, bm: int,
             split_tail=None, **tiles):
     """``x [T, K]`` (the compute dtype), ``row_token [R]`` int32 (-1: padding row),
     ``row_weight [R]`` fp32, ``block_group [R // bm]``, ``n_blocks`` (used blocks), ``w1`` / ``w3``
-    as ``(codes [G, I, K] (or K-blocked, ``qmatmul.kblock``), scale [G, I, K // 32] or None)`` -> ``h [R, I]`` in ``out_dtype``
-    (default ``x.dtype``); see the module docstring. A block of ``bm`` rows runs as a power of
-    two plus a power-of-two tail >= 16 where it is one (160 = 128 + 32), else as one tile of the
-    next power of two (>= 16) with masked rows, as ``qmatmul``. ``tiles``: ``TILES`` fields.
+    as ``(codes [G, I, K], scale [G, I, K // 32] or None)`` (int8 codes may be K-blocked,
+    ``qmatmul.kblock``) -> ``h [R, I]`` in ``out_dtype`` (default ``x.dtype``); see the module
+    docstring. A block of ``bm`` rows runs as a power of two plus a power-of-two tail >= 16 where
+    it is one (160 = 128 + 32), else as one tile of the next power of two (>= 16) with masked
+    rows, as ``qmatmul``. ``tiles``: ``TILES`` fields.
     Rows of blocks ``>= n_blocks`` are left unwritten by the kernels (zeros on the XLA route).
     ``split_tail`` (``qmatmul.tail_selector(row_token, bm)``, blocks with a tail tile only): the
     blocks marked 0 run in a launch without the tail tile (their tail rows left unwritten), the

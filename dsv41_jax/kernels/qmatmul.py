@@ -825,7 +825,8 @@ def grouped_qmatmul(x, block_group, n_blocks, codes, scale=None, *, bm: int, out
     """``x`` [R, K] times the weight of group ``block_group[j]`` for every ``bm``-row block ``j``.
 
     ``codes`` [G, O, K] (or [O, K]): int8 / float8_e4m3fn codes with ``scale`` [G, O, K // 32]
-    uint8 ue8m0 bytes, or plain float weights with ``scale=None``; the compute dtype is
+    uint8 ue8m0 bytes (scaled codes may also come K-blocked, [G, K // 64, O, 64]: ``kblock``;
+    the same results), or plain float weights with ``scale=None``; the compute dtype is
     ``x.dtype`` (weights are dequantized to it), accumulation fp32, result ``out_dtype``
     (default ``x.dtype``) [R, O]; blocks ``>= n_blocks`` are zeros. ``mode`` / ``tiles``
     (``Config`` fields) tune the kernel; see the module docstring."""
