@@ -495,6 +495,9 @@ def test_moe_pallas_path_on_the_expert_parallel_local_view(monkeypatch):
         x = jnp.asarray(rng.standard_normal((T, t.hidden_size)), F32)
         w, ids = moe.gate(x)
         np.testing.assert_array_equal(np.asarray(view.routed_pallas(x, w, ids)), np.asarray(moe.routed_pallas(x, w, ids)))
+    # the Mosaic GPU prefill's tile choice reads the view's projections as the module's
+    for proj in ("glu", "w2"):
+        assert view._mgpu_tiles(proj, 32) == moe._mgpu_tiles(proj, 32)
 
 
 def test_moe_path_selection(monkeypatch):

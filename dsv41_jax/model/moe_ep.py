@@ -115,10 +115,16 @@ class _Local:
     class _P:
         """One local projection: float weights, or int8 codes + ue8m0 scales (``scale`` given)."""
 
+        kblocked = False  # local shards are rows (``sharding.shard_model`` unblocks K-blocked experts)
+
         def __init__(self, a, scale=None):
             self.weight = _Local._W(a)
             self.scale = scale
             self.int8 = scale is not None
+
+        @property
+        def shape(self):  # (as ``StackedWeight.shape``)
+            return tuple(self.weight.shape)
 
         def values(self, dtype):
             if self.int8:
