@@ -160,9 +160,9 @@ def expert_layout() -> str:
     return mode
 
 
-def _relayout(var, fn, jitted, via_host: bool | None = None) -> None:
-    """Replace the array of ``var`` by ``fn`` of it: on its device where twice its bytes are free
-    (``jitted``: ``fn`` jitted; XLA's transpose also takes scratch to tune), else through host
+def _relayout(var, fn, via_host: bool | None = None) -> None:
+    """Replace the array of ``var`` by ``fn`` of it (numpy or jax): on its device where twice its
+    bytes are free (XLA's transpose also takes scratch to tune), else through host
     memory, the device copy dropped before the new one is placed (run 37: the device transpose of a
     4.2 GB projection ran out of memory beside an H100's full slice). ``via_host`` forces either."""
     import numpy as np
@@ -176,7 +176,7 @@ def _relayout(var, fn, jitted, via_host: bool | None = None) -> None:
             free = None  # (no statistics, e.g. the CPU backend: host memory either way)
         via_host = free is not None and free < 2 * w.nbytes
     if not via_host:
-        var.set_value(jitted(w))
+        var.set_value(jax.jit(fn)(w))
         return
     sharding = w.sharding
     host = np.asarray(jax.device_get(w))
@@ -202,7 +202,6 @@ def block_expert_codes(model, *, force: bool = False, via_host: bool | None = No
 
     if not force and expert_layout() == "rows":
         return 0
-    to_blocks = jax.jit(kblock)
     n = 0
     for path, mod in nnx.iter_graph(model):
         if not (isinstance(mod, StackedWeight) and mod.int8) or mod.kblocked or mod.weight.shape[-1] % KBLOCK:
@@ -213,8 +212,7 @@ def block_expert_codes(model, *, force: bool = False, via_host: bool | None = No
             raise ValueError(f"block_expert_codes: {'.'.join(map(str, path))}.weight is spread over several "
                              "devices; K-blocked expert codes are a single-device layout")
         del w
-        _relayout(mod.weight, kblock, to_blocks, via_host)
-        mod.kblocked = True
+        _relayout(mod.weight, kblock, via_host)
         n += 1
     return n
 
@@ -224,12 +222,10 @@ def unblock_expert_codes(model, *, via_host: bool | None = None) -> int:
     (``via_host``); returns how many projections changed."""
     from dsv41_jax.kernels.qmatmul import unblock
 
-    to_rows = jax.jit(unblock)
     n = 0
     for _, mod in nnx.iter_graph(model):
         if isinstance(mod, StackedWeight) and mod.kblocked:
-            _relayout(mod.weight, unblock, to_rows, via_host)
-            mod.kblocked = False
+            _relayout(mod.weight, unblock, via_host)
             n += 1
     return n
 
@@ -299,10 +295,10 @@ class StackedWeight(nnx.Module):
     ``int8=True`` keeps the release fp4 experts quantized in device memory: ``weight`` holds int8
     codes equal to twice the e2m1 value (-12..12) and ``scale`` the ue8m0 byte of every 32
     inputs [E, out, in/32]; values are ``code / 2 * 2^(scale - 127)``, dequantized (exactly, in
-    the compute dtype) only for the experts a computation reads. ``kblocked`` (set by
-    :func:`block_expert_codes`): the int8 codes are stored K-blocked, ``[E, in / 64, out, 64]``
-    (``kernels.qmatmul.kblock``), the layout the GPU kernels stream fastest; checkpoints keep
-    ``[E, out, in]``.
+    the compute dtype) only for the experts a computation reads. ``kblocked`` (after
+    :func:`block_expert_codes`; told by the rank of ``weight``): the int8 codes are stored
+    K-blocked, ``[E, in / 64, out, 64]`` (``kernels.qmatmul.kblock``), the layout the GPU kernels
+    stream fastest; checkpoints keep ``[E, out, in]``.
     """
 
     def __init__(self, E: int, out_f: int, in_f: int, dtype, int8: bool = False):
@@ -316,7 +312,6 @@ class StackedWeight(nnx.Module):
             self.weight = nnx.Param(jnp.zeros((E, out_f, in_f), dtype))
             self.scale = None
         self.scale_k = nnx.data(None)  # ``keep_kernel_scales``: the scales in the prefill kernel's layout
-        self.kblocked = False  # ``block_expert_codes``: ``weight`` holds K-blocked int8 codes
 
     @staticmethod
     def _dequant(codes, scale, dtype):
@@ -331,11 +326,16 @@ class StackedWeight(nnx.Module):
         return unblock(codes) if self.kblocked else codes
 
     @property
+    def kblocked(self) -> bool:
+        """Whether ``weight`` holds K-blocked codes (its rank: 4; :func:`block_expert_codes`)."""
+        return len(self.weight.shape) == 4
+
+    @property
     def shape(self) -> tuple:
         """The logical shape [E, out, in] in either layout."""
         from dsv41_jax.kernels.qmatmul import code_dims
 
-        return tuple(code_dims(self.weight[...])) if self.kblocked else tuple(self.weight.shape)
+        return tuple(code_dims(self.weight[...]))
 
     def values(self, dtype):
         """All experts [E, out, in] in ``dtype``."""
