@@ -319,7 +319,13 @@ MGPU_VARIANTS = (("w1", "triton"), ("w1", {}), ("w1", dict(steps=3)), ("w1", dic
                  ("glu", dict(x_rows=True, out_rows=True, steps=3, tiled="kblocked")),
                  ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=4, tiled="kblocked")),
                  ("glu", dict(x_rows=True, out_rows=True, tiled="kblocked", chain=True)),
-                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, tiled="kblocked", chain=True)))
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, tiled="kblocked", chain=True)),
+                 # (58-) session 28: the dequantized operands staged in shared memory, a step's MMAs
+                 # running on while the next step dequantizes (``Tiles.stage``)
+                 ("glu", dict(x_rows=True, out_rows=True, steps=3, tiled="kblocked", stage=True)),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, tiled="kblocked", stage=True)),
+                 ("glu", dict(x_rows=True, out_rows=True, steps=2, tiled="kblocked", stage=True)),
+                 ("glu", dict(x_rows=True, out_rows=True, steps=3, stage=True)))
 
 
 def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304,

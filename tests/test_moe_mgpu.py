@@ -3,6 +3,7 @@ JAX's Mosaic GPU interpreter against its XLA form, its CUDA lowering at V4.1-Fla
 ``MoE.routed_mgpu`` against the default prefill path."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -422,6 +423,46 @@ def test_chained_tiles_and_blocked_codes_equal_the_plain_kernel():
     assert "tile_k=128" in MG.applies(O, K, 32, jnp.int8, BF16, MG.Tiles(tile_k=128), kblocked=True)
     with pytest.raises(ValueError, match="tile_k=128"):
         MG.grouped_matmul_t(xt, bg, nb, kb, scale, bm=32, impl="interpret", tiles=MG.Tiles(tile_k=128))
+
+
+def test_staged_operands_equal_the_plain_kernel():
+    """``Tiles.stage`` (each dequantized chunk stored to a double-buffered shared-memory operand,
+    the stages released one step late so that a step's MMAs run on while the next dequantizes):
+    bit-equal to the plain kernel in the interpreter, for 64- and 128-row warpgroup tiles, two and
+    three stages, rows and K-blocked codes and the fused GLU (the interpreter runs MMAs
+    synchronously, so the overlap's hazards only show on the GPU: ``check_gpu_kernels.py``); it
+    lowers for CUDA at V4.1-Flash shapes within the shared memory (GLU at three stages, w2 at
+    ``W2_TILES``); tiles it cannot take: one clear error."""
+    rng = np.random.default_rng(28)
+    xt, bg, codes, scale = _problem(rng, G=3, O=256, K=256, blocks=4, bm=32)
+    nb = 3
+    run = functools.partial(MG.grouped_matmul_t, xt, bg, nb, codes, scale, bm=32, impl="interpret", num_sms=2)
+    base = np.asarray(run(tiles=MG.Tiles(steps=2)))[:, :nb * 32]
+    for tiles in (MG.Tiles(steps=2, stage=True), MG.Tiles(steps=3, stage=True), MG.Tiles(tile_m=128, steps=2, stage=True)):
+        assert np.array_equal(np.asarray(run(tiles=tiles))[:, :nb * 32], base), tiles
+    got = MG.grouped_matmul_t(xt, bg, nb, Q.kblock(codes), scale, bm=32, impl="interpret", num_sms=2,
+                              tiles=MG.Tiles(steps=2, stage=True))
+    assert np.array_equal(np.asarray(got)[:, :nb * 32], base)
+    ws = jnp.asarray(rng.uniform(0.1, 1.0, xt.shape[1]).astype(np.float32))
+    w3 = (jnp.asarray(rng.integers(-127, 128, codes.shape).astype(np.int8)), scale)
+    glu = functools.partial(MG.grouped_glu_t, xt, ws, bg, nb, (codes, scale), w3, bm=32, limit=10.0,
+                            impl="interpret", num_sms=2)
+    assert np.array_equal(np.asarray(glu(tiles=MG.Tiles(steps=2, stage=True)))[:, :nb * 32],
+                          np.asarray(glu(tiles=MG.Tiles(steps=2)))[:, :nb * 32])
+    SD = jax.ShapeDtypeStruct
+    R = 160 * 400
+    w = (SD((384, 80, 2304, 64), jnp.int8), SD((384, 2304, 160), jnp.uint8))
+    g = jax.jit(lambda *a: MG.grouped_glu_t(*a[:4], (a[4], a[5]), (a[6], a[7]), bm=160, limit=10.0, impl="mosaic",
+                                            num_sms=132, x_rows=True, out_rows=True, tiles=MG.Tiles(steps=3, stage=True)))
+    assert "mosaic_gpu" in g.trace(SD((R, 5120), BF16), SD((R,), F32), SD((400,), jnp.int32), SD((), jnp.int32),
+                                   *w, *w).lower(lowering_platforms=("cuda",)).as_text()
+    f = jax.jit(lambda *a: MG.grouped_matmul_t(*a, bm=160, impl="mosaic", num_sms=132, x_rows=True, out_rows=True,
+                                               tiles=dataclasses.replace(MG.W2_TILES, stage=True)))
+    assert "mosaic_gpu" in f.trace(SD((R, 2304), BF16), SD((400,), jnp.int32), SD((), jnp.int32),
+                                   SD((384, 36, 5120, 64), jnp.int8), SD((384, 5120, 72), jnp.uint8)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    for bad in (MG.Tiles(steps=1, stage=True), MG.Tiles(steps=2, stage=True, chain=True)):
+        assert "staged operands" in MG.applies(2304, 5120, 160, jnp.int8, BF16, bad), bad
 
 
 @pytest.mark.parametrize("numerics", ["bfloat16-reference", "float32-fast"])

@@ -71,6 +71,11 @@ class Tiles:
     # ``cluster``: 2 runs CTA pairs (a thread-block cluster) on the two halves of a 4 x ``tile_m``
     # row tile of one block, the token tile multicast to both (half the L2 reads of the tokens)
     cluster: int = 1
+    # ``stage``: each dequantized chunk is stored to a double-buffered shared-memory operand and a
+    # step's MMAs run on while the next step dequantizes (the stages released one step late,
+    # ``BlockSpec(delay_release=1)``); without it a step dequantizes into registers, issues its
+    # MMAs and waits for them (a register operand must not change under an asynchronous wgmma)
+    stage: bool = False
     # diagnostics for ``sweep_prefill.py`` only, comma-separated; every one of them gives wrong
     # values: ``const_lhs`` (a constant left operand: no shared-memory read or dequantization of
     # the weights), ``one_expert`` (every block multiplies expert 0, whose weights stay in L2),
@@ -147,6 +152,9 @@ def applies(O: int, K: int, bm: int, codes_dtype, x_dtype, tiles: Tiles | None =
         return f"{O} output rows for cluster={t.cluster} (1 or 2) x 2 x tile_m={t.tile_m}"
     if t.chain and (K // t.tile_k) % min(t.steps, K // t.tile_k):
         return f"chained tiles need steps={t.steps} dividing the {K // t.tile_k} K steps"
+    if t.stage and (t.chain or t.steps < 2 or K // t.tile_k < 2):
+        return (f"staged operands (released one step late) need steps >= 2 and two K steps, "
+                f"and no chain (got steps={t.steps}, {K // t.tile_k} K steps, chain={t.chain})")
     bad = set(filter(None, t.probe.split(","))) - set(PROBES)
     if bad:
         return f"unknown probes {sorted(bad)} (use {PROBES})"
@@ -354,19 +362,20 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
     # 64-byte swizzle on the token tile: wgmma then takes it 32 inputs (one scale chunk) at a time
     b_tr = tr(64, 2)
     o_tr = tr(128, 2) if out_rows else tr(2 * epi, 2)
+    stage = tiles.stage
+    n_ops = nw * chunks  # left operands (and wgmma groups) per K step
+    # staged: a step's MMAs still read its stage when the body returns; it is released one step late
+    spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM, **(dict(delay_release=1) if stage else {}))
     specs = []
     for _ in range(nw):  # (a spec object per operand: the pipeline keeps per-spec state)
-        specs += [plgpu.BlockSpec((None, cta_m, tk), lambda k: (k, 0, 0), transforms=a_tr, memory_space=plgpu.SMEM)
-                  if layout != "rows" else
-                  plgpu.BlockSpec((cta_m, tk), lambda k: (0, k), transforms=a_tr, memory_space=plgpu.SMEM),
-                  plgpu.BlockSpec((chunks, cta_m), lambda k: (k, 0), memory_space=plgpu.SMEM)]
+        specs += [spec((None, cta_m, tk), lambda k: (k, 0, 0), transforms=a_tr) if layout != "rows" else
+                  spec((cta_m, tk), lambda k: (0, k), transforms=a_tr),
+                  spec((chunks, cta_m), lambda k: (k, 0))]
     multicast = dict(collective_axes=("cluster",)) if cl > 1 else {}
     if x_rows:  # [bm, tk] token tiles, given to wgmma as a transposed view, 32 inputs at a time
-        specs.append(plgpu.BlockSpec((bm, tk), lambda k: (0, k), transforms=b_tr, memory_space=plgpu.SMEM,
-                                     **multicast))
+        specs.append(spec((bm, tk), lambda k: (0, k), transforms=b_tr, **multicast))
     else:
-        specs.append(plgpu.BlockSpec((tk, bm), lambda k: (k, 0), transforms=b_tr, memory_space=plgpu.SMEM,
-                                     **multicast))
+        specs.append(spec((tk, bm), lambda k: (k, 0), transforms=b_tr, **multicast))
 
     def kernel(bg_gmem, nb_gmem, *refs, out_smem, lhs_smem, ws_smem=None, ws_bar=None):
         ws_gmem, refs = (refs[0], refs[1:]) if glu is not None else (None, refs)
@@ -402,6 +411,8 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                 n_sl = pl.ds(blk * bm, bm)
 
                 def result(accs):
+                    if stage:  # (the last step waited already; nothing may be in flight here)
+                        plgpu.wgmma_wait(0)
                     if glu is None:
                         return accs[0][...].astype(BF16)
                     g, u = (a[...].astype(BF16).astype(F32) for a in accs)
@@ -439,7 +450,7 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                             if "no_store" not in probes:
                                 plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
 
-                def body(_, *refs):
+                def body(idx, *refs):
                     *smem, accs = refs
                     b_smem = smem[-1]
                     # every chunk dequantized before the first MMA is issued: a register operand
@@ -455,16 +466,36 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                             scale = lax.broadcast_in_dim(_scale_rows(smem[2 * w + 1][c, rows], mult),
                                                          (tm, QBLOCK), (0,))
                             lhs.append((w, c, a[:, c * QBLOCK:(c + 1) * QBLOCK] * scale))
+                    def rhs(c):
+                        if x_rows:
+                            return plgpu.transpose_ref(b_smem.at[:, pl.ds(c * QBLOCK, QBLOCK)], (1, 0))
+                        return b_smem.at[pl.ds(c * QBLOCK, QBLOCK)]
+
+                    if stage:
+                        # this step's operands into its half of the buffer (the half whose MMAs,
+                        # two steps back, the previous step waited for), then its MMAs, left to
+                        # run while the next step dequantizes; the previous step's are waited
+                        # for, so that its stage (released after this body) is free. The last
+                        # step waits for all: nothing releases its stage later.
+                        half = lax.rem(idx[0], 2)
+                        for j, (_, _, op) in enumerate(lhs):
+                            lhs_smem[wg, half, j] = op
+                        plgpu.commit_smem()
+                        for j, (w, c, _) in enumerate(lhs):
+                            plgpu.wgmma(accs[w], lhs_smem.at[wg, half, j], rhs(c))
+                        plgpu.wgmma_wait(n_ops)
+
+                        @pl.when(idx[0] == K // tk - 1)
+                        def _last():
+                            plgpu.wgmma_wait(0)
+
+                        return accs
                     for w, c, op in lhs:
                         if interpret:  # the interpreter's wgmma reads its left operand from shared memory
-                            lhs_smem[wg] = op
+                            lhs_smem[wg, 0, 0] = op
                             plgpu.commit_smem()
-                            op = lhs_smem.at[wg]
-                        if x_rows:
-                            bop = plgpu.transpose_ref(b_smem.at[:, pl.ds(c * QBLOCK, QBLOCK)], (1, 0))
-                        else:
-                            bop = b_smem.at[pl.ds(c * QBLOCK, QBLOCK)]
-                        plgpu.wgmma(accs[w], op, bop)
+                            op = lhs_smem.at[wg, 0, 0]
+                        plgpu.wgmma(accs[w], op, rhs(c))
                         if interpret:
                             plgpu.wgmma_wait(0)
                     plgpu.wgmma_wait(0)
@@ -506,7 +537,8 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM((2, 2, epi, tm) if out_rows else (2, 2, tm, epi), BF16, transforms=o_tr),
-                           lhs_smem=plgpu.SMEM((2, tm, QBLOCK) if interpret else (2, 8, QBLOCK), BF16,
+                           lhs_smem=plgpu.SMEM((2, 2, n_ops, tm, QBLOCK) if stage else
+                                               (2, 1, 1, tm, QBLOCK) if interpret else (2, 1, 1, 8, QBLOCK), BF16,
                                                transforms=tr(64, 2)),
                            **({} if glu is None else dict(ws_smem=plgpu.SMEM((2, bm), F32),
                                                           ws_bar=plgpu.Barrier(num_barriers=2)))),
