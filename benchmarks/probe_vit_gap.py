@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 from bench_slice import jsonl_emitter  # noqa: E402
 
@@ -44,9 +45,17 @@ def device_events(xplane_path: str):
                     dev += [(e.name, float(e.start_ns), float(e.start_ns + e.duration_ns)) for e in line.events]
         elif plane.name.startswith("/host:CPU"):
             for line in plane.lines:
-                host += [(e.name, float(e.start_ns), float(e.start_ns + e.duration_ns)) for e in line.events
-                         if e.name.startswith("encode_call_")]
+                host += [(e.name, float(e.start_ns), float(e.start_ns + e.duration_ns)) for e in line.events]
     return dev, host
+
+
+def host_top(host, start_ns: float, end_ns: float, n: int = 14) -> list:
+    """The host events (all threads) inside [start_ns, end_ns), summed by name, longest first."""
+    tot: dict = {}
+    for name, s, e in host:
+        if start_ns <= s < end_ns and not name.startswith("encode_call_"):
+            tot[name[:70]] = tot.get(name[:70], 0.0) + (e - s)
+    return [(k, round(v / 1e6, 3)) for k, v in sorted(tot.items(), key=lambda kv: -kv[1])[:n]]
 
 
 def call_timeline(dev, start_ns: float, end_ns: float, until_ns: float, gap_us: float = 20.0) -> dict:
@@ -75,8 +84,17 @@ def call_timeline(dev, start_ns: float, end_ns: float, until_ns: float, gap_us: 
                 gaps=gaps[:12], n_gaps=len(gaps), host_call_ms=round((end_ns - start_ns) / 1e6, 3))
 
 
-def host_stages(vision, aligner, vecs, pi, impl: str, reps: int = 5) -> dict:
-    """The host work of ``encode_images`` stage by stage (the same calls, timed in between)."""
+def put_each(arrays):
+    return [jnp.asarray(a) for a in arrays]
+
+
+def put_once(arrays):
+    return jax.device_put(list(arrays))
+
+
+def host_stages(vision, aligner, vecs, pi, impl: str, reps: int = 5, put=put_each) -> dict:
+    """The host work of ``encode_images`` stage by stage (the same calls, timed in between);
+    ``put``: how the packed arrays go to the device (``put_each``: as ``encode_images``)."""
     from dsv41_jax.model import vision as V
 
     stages = {"pack": [], "put": [], "dispatch": [], "spans": [], "device_rest": []}
@@ -84,7 +102,7 @@ def host_stages(vision, aligner, vecs, pi, impl: str, reps: int = 5) -> dict:
         t0 = time.perf_counter()
         g = V.pack_images([pi], vision.cfg, bucket=V.tight_bucket, pixels=True)[0]
         t1 = time.perf_counter()
-        args = [jnp.asarray(a) for a in (g.patches, g.rows, g.cols, g.n_valid, g.merge)]
+        args = put((g.patches, g.rows, g.cols, g.n_valid, g.merge))
         t2 = time.perf_counter()
         x, a = V._tower(vision, aligner, *args, q_block=V._query_block(g.patches.shape[1]), impl=impl)
         t3 = time.perf_counter()
@@ -123,29 +141,45 @@ def main():
     vecs = [jnp.zeros((cfg.text.hidden_size,), jnp.bfloat16)] * 3
     impl = V.attention_impl("bf16")
     call = lambda: V.encode_images(vision, aligner, vecs, [pi])  # noqa: E731
-    for _ in range(3):
-        jax.block_until_ready(call())
-    walls = []
-    for _ in range(5):
-        t = time.perf_counter()
-        jax.block_until_ready(call())
-        walls.append(time.perf_counter() - t)
-    emit(what="encode_wall", ms=[round(w * 1e3, 3) for w in walls], median_ms=round(float(np.median(walls)) * 1e3, 3),
-         patches=int(pi.n_patches), impl=impl)
-    emit(what="host_stages", **host_stages(vision, aligner, vecs, pi, impl))
-    tmp = tempfile.mkdtemp()
-    with jax.profiler.trace(tmp):
-        for i in range(3):
-            with jax.profiler.TraceAnnotation(f"encode_call_{i}"):
-                out = call()
-            jax.block_until_ready(out)
-            time.sleep(0.05)
-    pb = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0]
-    dev, host = device_events(pb)
-    host = sorted(host, key=lambda h: h[1])
-    for i, (name, s, e) in enumerate(host):
-        until = host[i + 1][1] if i + 1 < len(host) else float("inf")
-        emit(what="encode_timeline", call=name, **call_timeline(dev, s, e, until))
+    def measure(variant: str, n_trace: int):
+        for _ in range(2):
+            jax.block_until_ready(call())
+        walls = []
+        for _ in range(5):
+            t = time.perf_counter()
+            jax.block_until_ready(call())
+            walls.append(time.perf_counter() - t)
+        emit(what="encode_wall", variant=variant, ms=[round(w * 1e3, 3) for w in walls],
+             median_ms=round(float(np.median(walls)) * 1e3, 3), patches=int(pi.n_patches), impl=impl)
+        emit(what="host_stages", variant=variant, **host_stages(vision, aligner, vecs, pi, impl))
+        emit(what="host_stages", variant=variant + "+put_once",
+             **host_stages(vision, aligner, vecs, pi, impl, put=put_once))
+        tmp = tempfile.mkdtemp()
+        with jax.profiler.trace(tmp):
+            for i in range(n_trace):
+                with jax.profiler.TraceAnnotation(f"encode_call_{i}"):
+                    out = call()
+                jax.block_until_ready(out)
+                time.sleep(0.05)
+        pb = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0]
+        dev, host_all = device_events(pb)
+        calls = sorted((h for h in host_all if h[0].startswith("encode_call_")), key=lambda h: h[1])
+        for i, (name, s, e) in enumerate(calls):
+            until = calls[i + 1][1] if i + 1 < len(calls) else float("inf")
+            emit(what="encode_timeline", variant=variant, call=name, **call_timeline(dev, s, e, until),
+                 host_top=host_top(host_all, s, e))
+
+    measure("default", 2)
+    # the same tower compiled without XLA's command buffers (CUDA graphs): does recording or
+    # updating the graph of ~570 kernels for new input buffers hold back the first kernel?
+    import functools
+
+    runner = V._TOWERS[vision]
+    graphdef, state = nnx.split((vision, aligner))
+    _, treedef = jax.tree_util.tree_flatten(state)
+    runner.fn = jax.jit(functools.partial(V._tower_pure, graphdef, treedef), static_argnames=("q_block", "impl"),
+                        compiler_options={"xla_gpu_enable_command_buffer": ""})
+    measure("no_command_buffer", 2)
 
 
 if __name__ == "__main__":

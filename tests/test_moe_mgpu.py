@@ -534,6 +534,13 @@ def test_kblocked_experts_reach_every_prefill_and_decode_path(numerics, monkeypa
     assert M.block_expert_codes(blk, via_host=True) == 3
     np.testing.assert_array_equal(np.asarray(blk.experts.w2.weight[...]), np.asarray(Q.kblock(rows.experts.w2.weight[...])))
     assert M.unblock_expert_codes(blk) == 3 and M.block_expert_codes(blk) == 3
+    np.testing.assert_array_equal(np.asarray(blk.experts.w1.weight[...]), np.asarray(Q.kblock(rows.experts.w1.weight[...])))
+    # on the device a few experts at a time: 7 experts, 3 per chunk (the last chunk, 4-6, overlaps)
+    codes = jnp.asarray(rng.integers(-127, 128, (7, 8, 192)), jnp.int8)
+    monkeypatch.setattr(M, "_RELAYOUT_CHUNK_BYTES", 3 * 8 * 192)
+    got = M._relayout_on_device(codes, Q.kblock)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(codes).reshape(7, 8, 3, 64).transpose(0, 2, 1, 3))
+    np.testing.assert_array_equal(np.asarray(M._relayout_on_device(got, Q.unblock)), np.asarray(codes))
     monkeypatch.setenv("DSV41_EXPERT_LAYOUT", "tiles")
     with pytest.raises(ValueError, match="DSV41_EXPERT_LAYOUT"):
         M.block_expert_codes(blk)

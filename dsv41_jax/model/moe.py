@@ -3,11 +3,13 @@ positions), clamped SwiGLU experts with the route weight applied before ``w2``, 
 expert, fp32 accumulation."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from flax import nnx
 
 from dsv41_jax.config import TextConfig
@@ -160,11 +162,36 @@ def expert_layout() -> str:
     return mode
 
 
+_RELAYOUT_CHUNK_BYTES = 256 << 20
+
+
+def _relayout_on_device(w, fn):
+    """``fn(w)`` (``fn`` maps each expert on its own: axis 0 stays) on the device, a few experts at
+    a time into one preallocated result: the peak is the two arrays plus one chunk. One XLA
+    transpose of the whole array would also need scratch for XLA to tune it (run 38 on an H100:
+    out of memory with twice the bytes free)."""
+    E = w.shape[0]
+    per = int(max(1, min(E, _RELAYOUT_CHUNK_BYTES // max(1, w.nbytes // E))))
+    out = jax.eval_shape(fn, jax.ShapeDtypeStruct(w.shape, w.dtype))
+    res = jax.jit(lambda: jnp.zeros(out.shape, out.dtype), out_shardings=w.sharding)()
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def put(res, w, i):
+        part = fn(lax.dynamic_slice_in_dim(w, i, per, axis=0))
+        return lax.dynamic_update_slice_in_dim(res, part, i, axis=0)
+
+    for i in range(0, E, per):
+        # (the last chunk ends at E: it may cover experts already done, with the same values)
+        res = put(res, w, jnp.int32(min(i, E - per)))
+    return res
+
+
 def _relayout(var, fn, via_host: bool | None = None) -> None:
-    """Replace the array of ``var`` by ``fn`` of it (numpy or jax): on its device where twice its
-    bytes are free (XLA's transpose also takes scratch to tune), else through host
-    memory, the device copy dropped before the new one is placed (run 37: the device transpose of a
-    4.2 GB projection ran out of memory beside an H100's full slice). ``via_host`` forces either."""
+    """Replace the array of ``var`` by ``fn`` of it (numpy or jax; per expert, axis 0 kept): on
+    its device, a few experts at a time, where twice its bytes and a margin are free, else through
+    host memory, the device copy dropped before the new one is placed (run 37: the device transpose
+    of a 4.2 GB projection ran out of memory beside an H100's full slice). ``via_host`` forces
+    either."""
     import numpy as np
 
     w = var[...]
@@ -174,9 +201,9 @@ def _relayout(var, fn, via_host: bool | None = None) -> None:
             free = stats["bytes_limit"] - stats["bytes_in_use"]
         except (AttributeError, KeyError, StopIteration, RuntimeError):
             free = None  # (no statistics, e.g. the CPU backend: host memory either way)
-        via_host = free is not None and free < 2 * w.nbytes
+        via_host = free is not None and free < 2 * w.nbytes + 4 * _RELAYOUT_CHUNK_BYTES
     if not via_host:
-        var.set_value(jax.jit(fn)(w))
+        var.set_value(_relayout_on_device(w, fn))
         return
     sharding = w.sharding
     host = np.asarray(jax.device_get(w))
