@@ -131,6 +131,8 @@ def main():
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="v41-flash", help="'tiny' for a CPU check of the script")
+    ap.add_argument("--no-command-buffer", action="store_true",
+                    help="also the tower compiled without XLA's command buffers (CUDA graphs)")
     cfg = preset(ap.parse_args().preset)
     num = Numerics("bfloat16", "reference", vision_attention="bf16")
     vision, aligner = V.build_vision_modules(cfg, num)
@@ -154,6 +156,8 @@ def main():
         emit(what="host_stages", variant=variant, **host_stages(vision, aligner, vecs, pi, impl))
         emit(what="host_stages", variant=variant + "+put_once",
              **host_stages(vision, aligner, vecs, pi, impl, put=put_once))
+        if not n_trace:
+            return
         tmp = tempfile.mkdtemp()
         with jax.profiler.trace(tmp):
             for i in range(n_trace):
@@ -169,17 +173,22 @@ def main():
             emit(what="encode_timeline", variant=variant, call=name, **call_timeline(dev, s, e, until),
                  host_top=host_top(host_all, s, e))
 
-    measure("default", 2)
-    # the same tower compiled without XLA's command buffers (CUDA graphs): does recording or
-    # updating the graph of ~570 kernels for new input buffers hold back the first kernel?
-    import functools
+    # the tower as one executable and in parts (``vision.tower_parts``); run 38 showed the GPU
+    # idle for ~6 ms after the copies while the one executable's command buffer was prepared
+    for parts in ("1", "4", "6", "1"):
+        os.environ["DSV41_VIT_PARTS"] = parts
+        measure(f"parts={parts}", 2 if parts == "4" else 0)
+    os.environ.pop("DSV41_VIT_PARTS")
+    if "--no-command-buffer" in sys.argv:  # (run 38: no faster end to end than the default)
+        import functools
 
-    runner = V._TOWERS[vision]
-    graphdef, state = nnx.split((vision, aligner))
-    _, treedef = jax.tree_util.tree_flatten(state)
-    runner.fn = jax.jit(functools.partial(V._tower_pure, graphdef, treedef), static_argnames=("q_block", "impl"),
-                        compiler_options={"xla_gpu_enable_command_buffer": ""})
-    measure("no_command_buffer", 2)
+        runner = V._TOWERS[vision]
+        graphdef, state = nnx.split((vision, aligner))
+        _, treedef = jax.tree_util.tree_flatten(state)
+        runner.fn = jax.jit(functools.partial(V._tower_pure, graphdef, treedef),
+                            static_argnames=("q_block", "impl", "part"),
+                            compiler_options={"xla_gpu_enable_command_buffer": ""})
+        measure("no_command_buffer", 2)
 
 
 if __name__ == "__main__":

@@ -371,6 +371,35 @@ def test_tower_runner_sees_weights_loaded_in_place():
     assert V._TOWERS[vision] is not runner
 
 
+def test_tower_in_parts_equals_one_executable(monkeypatch):
+    """``encode_images`` runs the tower as ``tower_parts`` executables (the GPU starts on the first
+    while the next ones' CUDA graphs are prepared): the same bits as one executable, in both
+    numerics, with the details (ViT output, aligner rows); the plan of parts and its errors."""
+    from dsv41_jax.model import vision as V
+
+    out_dim = 24
+    params = random_params(TINY, out_dim, seed=5)
+    ims = [synthetic_image((4, 7), TINY, 3), synthetic_image((6, 5), TINY, 4)]
+    for numerics in (Numerics("float32", "fast"), Numerics("bfloat16", "reference", vision_attention="bf16")):
+        vision, aligner = build_vision(TINY, out_dim, numerics)
+        load_vision_weights(vision, aligner, DictCheckpoint(params))
+        got = {}
+        for k in ("1", "2"):
+            monkeypatch.setenv("DSV41_VIT_PARTS", k)
+            out = encode_images(vision, aligner, params, ims, numerics, return_details=True)
+            got[k] = [np.asarray(a.astype(jnp.float32)) for a in (out.span_embeds, out.aligner_rows, out.vit_out)]
+        assert V.tower_parts(TINY.num_hidden_layers) == ((0, 1), (1, 2))
+        for a, b in zip(got["1"], got["2"]):
+            np.testing.assert_array_equal(a, b)
+    for k, want in (("1", ((0, 32),)), ("4", ((0, 2), (2, 8), (8, 20), (20, 32))),
+                    ("6", ((0, 2), (2, 8), (8, 14), (14, 20), (20, 26), (26, 32)))):
+        monkeypatch.setenv("DSV41_VIT_PARTS", k)
+        assert V.tower_parts(32) == want
+    monkeypatch.setenv("DSV41_VIT_PARTS", "0")
+    with pytest.raises(ValueError, match="DSV41_VIT_PARTS"):
+        V.tower_parts(32)
+
+
 # ------------------------------------------------------------------------------ data parallel
 
 _DP_SCRIPT = textwrap.dedent("""

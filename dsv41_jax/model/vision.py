@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 import weakref
 from typing import Any, Callable, Sequence
@@ -220,17 +221,24 @@ class ViT(nnx.Module):
         """rows/cols: [B, N] int32 patch grid position; n_valid: [B] real patches per image
         (keys at index >= n_valid are masked). ``impl``: "fp32" (parity path), "cudnn" or "xla"
         (performance mode, see ``attention_bf16``); default from ``numerics.vision_attention``."""
+        return self.run(patches, rows, cols, n_valid, 0, len(self.blocks), q_block, impl)
+
+    def run(self, x, rows, cols, n_valid, start: int, stop: int, q_block: int = 0, impl: str | None = None):
+        """Blocks ``start`` to ``stop`` - 1: ``x`` the patches where ``start`` is 0 (embedded first),
+        else the previous block's output [B, N, C]; the final norm where ``stop`` is the last.
+        ``__call__`` runs them all; ``encode_images`` runs the tower in parts (``tower_parts``)."""
         cd = self.numerics.dtype
         impl = attention_impl(self.numerics.vision_attention) if impl is None else impl
         if impl not in ATTENTION_IMPLS:
             raise ValueError(f"ViT: attention impl {impl!r} not in {ATTENTION_IMPLS}")
-        b, n = patches.shape[:2]
-        x = _linear(self.patch_embed.proj, patches.reshape(b, n, -1).astype(cd), cd, impl != "fp32")
+        b, n = x.shape[:2]
+        if start == 0:
+            x = _linear(self.patch_embed.proj, x.reshape(b, n, -1).astype(cd), cd, impl != "fp32")
         cos, sin = rope_tables(rows, cols, self.cfg.head_dim // 2, self.cfg.rope_theta)
         key_mask = jnp.arange(n)[None, :] < n_valid[:, None]
-        for block in self.blocks:
+        for block in self.blocks[start:stop]:
             x = block(x, cos, sin, key_mask, cd, q_block, impl, n_valid)
-        return self.norm(x)
+        return self.norm(x) if stop == len(self.blocks) else x
 
 
 def build_vision(cfg: VisionConfig, out_dim: int, numerics: Numerics) -> tuple[ViT, Aligner]:
@@ -368,11 +376,38 @@ def device_patches(patches, n_valid):
     return jnp.where(live, x, jnp.zeros((), x.dtype))
 
 
-def _tower_pure(graphdef, treedef, leaves, patches, rows, cols, n_valid, merge, q_block=0, impl="fp32"):
+def tower_parts(n_layers: int) -> tuple[tuple[int, int], ...]:
+    """The block ranges ``encode_images`` runs as separate executables, ``DSV41_VIT_PARTS`` of them
+    (default 4; 1: the whole tower in one). Each launch of an XLA executable on the GPU first
+    prepares its CUDA graph (command buffer) for the call's buffers, ~6 ms of host time for the
+    32-block tower's ~570 kernels (run 38, H100), and the GPU waits for it. In parts, each
+    next part is prepared while the GPU runs the previous one: the first part is short (2 blocks)
+    so the GPU starts early, the later ones longer (2, 6, then the rest in two halves)."""
+    k = int(os.environ.get("DSV41_VIT_PARTS", "4"))
+    if k < 1:
+        raise ValueError(f"DSV41_VIT_PARTS={k}: at least 1")
+    edges = [0]
+    for size in (2, 6):
+        if len(edges) < k and edges[-1] + size < n_layers:
+            edges.append(edges[-1] + size)
+    a, rest = edges[-1], k - (len(edges) - 1)  # the remaining blocks in ``rest`` equal parts
+    for i in range(1, rest):
+        e = a + (n_layers - a) * i // rest
+        if edges[-1] < e < n_layers:
+            edges.append(e)
+    edges.append(n_layers)
+    return tuple(zip(edges[:-1], edges[1:]))
+
+
+def _tower_pure(graphdef, treedef, leaves, x, rows, cols, n_valid, merge, q_block=0, impl="fp32", part=None):
+    """Blocks ``part`` = (start, stop) of the tower (all where None): from the packed patches where
+    start is 0, the aligner's rows too where stop is the last block (then a pair)."""
     vision, aligner = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, leaves))
-    patches = device_patches(patches, n_valid)
-    x = vision(patches, rows, cols, n_valid, q_block=q_block, impl=impl)
-    return x, aligner(x, merge)
+    start, stop = (0, len(vision.blocks)) if part is None else part
+    if start == 0:
+        x = device_patches(x, n_valid)
+    x = vision.run(x, rows, cols, n_valid, start, stop, q_block=q_block, impl=impl)
+    return (x, aligner(x, merge)) if stop == len(vision.blocks) else x
 
 
 # (graphdef, treedef) -> the jitted tower of that structure: towers of equal structure share one
@@ -402,11 +437,19 @@ class _Tower:
         key = (graphdef, treedef)
         if key not in _TOWER_FNS:
             _TOWER_FNS[key] = jax.jit(functools.partial(_tower_pure, graphdef, treedef),
-                                      static_argnames=("q_block", "impl"))
+                                      static_argnames=("q_block", "impl", "part"))
         self.fn = _TOWER_FNS[key]
+        self.n_layers = len(vision.blocks)
 
-    def __call__(self, *args, q_block: int = 0, impl: str = "fp32"):
-        return self.fn(self._values(), *args, q_block=q_block, impl=impl)
+    def __call__(self, patches, rows, cols, n_valid, merge, q_block: int = 0, impl: str = "fp32"):
+        values = self._values()
+        parts = tower_parts(self.n_layers)
+        if len(parts) == 1:
+            return self.fn(values, patches, rows, cols, n_valid, merge, q_block=q_block, impl=impl)
+        x = patches
+        for part in parts:  # (each dispatched as soon as the previous one is: the GPU runs them in order)
+            x = self.fn(values, x, rows, cols, n_valid, merge, q_block=q_block, impl=impl, part=part)
+        return x
 
 
 _TOWERS: "weakref.WeakKeyDictionary[ViT, _Tower]" = weakref.WeakKeyDictionary()
