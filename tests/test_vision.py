@@ -372,9 +372,10 @@ def test_tower_runner_sees_weights_loaded_in_place():
 
 
 def test_tower_in_parts_equals_one_executable(monkeypatch):
-    """``encode_images`` runs the tower as ``tower_parts`` executables (the GPU starts on the first
-    while the next ones' CUDA graphs are prepared): the same bits as one executable, in both
-    numerics, with the details (ViT output, aligner rows); the plan of parts and its errors."""
+    """``encode_images`` can run the tower as ``tower_parts`` executables (``DSV41_VIT_PARTS``: the
+    GPU starts on the first while the next ones' CUDA graphs are prepared): the same bits as one
+    executable, in both numerics, with the details (ViT output, aligner rows); the plan of parts
+    and its errors."""
     from dsv41_jax.model import vision as V
 
     out_dim = 24
@@ -391,6 +392,8 @@ def test_tower_in_parts_equals_one_executable(monkeypatch):
         assert V.tower_parts(TINY.num_hidden_layers) == ((0, 1), (1, 2))
         for a, b in zip(got["1"], got["2"]):
             np.testing.assert_array_equal(a, b)
+    monkeypatch.delenv("DSV41_VIT_PARTS")
+    assert len(V.tower_parts(32)) == V.DEFAULT_VIT_PARTS
     for k, want in (("1", ((0, 32),)), ("4", ((0, 2), (2, 8), (8, 20), (20, 32))),
                     ("6", ((0, 2), (2, 8), (8, 14), (14, 20), (20, 26), (26, 32)))):
         monkeypatch.setenv("DSV41_VIT_PARTS", k)

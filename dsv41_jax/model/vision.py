@@ -376,14 +376,20 @@ def device_patches(patches, n_valid):
     return jnp.where(live, x, jnp.zeros((), x.dtype))
 
 
+# one executable until the parts are timed on a GPU (predicted: ~5 ms less per encode_images
+# call of a 961-token image, docs/status.md "Next single-GPU session")
+DEFAULT_VIT_PARTS = 1
+
+
 def tower_parts(n_layers: int) -> tuple[tuple[int, int], ...]:
     """The block ranges ``encode_images`` runs as separate executables, ``DSV41_VIT_PARTS`` of them
-    (default 4; 1: the whole tower in one). Each launch of an XLA executable on the GPU first
-    prepares its CUDA graph (command buffer) for the call's buffers, ~6 ms of host time for the
-    32-block tower's ~570 kernels (run 38, H100), and the GPU waits for it. In parts, each
+    (``DEFAULT_VIT_PARTS``; 1: the whole tower in one). Each launch of an XLA executable on the GPU
+    first prepares its CUDA graph (command buffer) for the call's buffers, ~6 ms of host time for
+    the 32-block tower's ~570 kernels (run 38, H100), and the GPU waits for it. In parts, each
     next part is prepared while the GPU runs the previous one: the first part is short (2 blocks)
-    so the GPU starts early, the later ones longer (2, 6, then the rest in two halves)."""
-    k = int(os.environ.get("DSV41_VIT_PARTS", "4"))
+    so the GPU starts early, the later ones longer (2, 6, then the rest in equal parts; 4 parts:
+    0-2, 2-8, 8-20, 20-32)."""
+    k = int(os.environ.get("DSV41_VIT_PARTS", str(DEFAULT_VIT_PARTS)))
     if k < 1:
         raise ValueError(f"DSV41_VIT_PARTS={k}: at least 1")
     edges = [0]
