@@ -393,13 +393,21 @@ def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int
                                         num_sms=sms or MG._num_sms(), interpret=impl == "interpret",
                                         glu=(ws.astype(jnp.float32), limit) if glu else None, **lay)
                 elif proj == "glu":
+                    # the scales in the kernel's layout too, as the model keeps them
+                    # (``moe.keep_kernel_scales``; before session 28 these rows timed a transpose
+                    # of the scales per call that the tiled rows did not)
+                    wts = tuple((cd, sc, MG.scale_t(sc)) for cd, sc in wts)
+
                     def run(a, wts, tl=tl, lay=lay):  # the result as rows [rows, I]
                         h = MG.grouped_glu_t(a, ws, blocks, n_used, *wts, bm=c, limit=limit,
                                              impl=impl, tiles=tl, num_sms=sms, **lay)
                         return h if lay["out_rows"] else h.T
                 else:
+                    wts = tuple((cd, sc, MG.scale_t(sc)) for cd, sc in wts)
+
                     def run(a, wts, tl=tl, lay=lay):  # the result as rows [rows, O]
-                        y = MG.grouped_matmul_t(a, blocks, n_used, *wts[0], bm=c, impl=impl, tiles=tl,
+                        (cd, sc, sk), = wts
+                        y = MG.grouped_matmul_t(a, blocks, n_used, cd, sc, scale_k=sk, bm=c, impl=impl, tiles=tl,
                                                 num_sms=sms, **lay)
                         return y if lay["out_rows"] else y.T
 
