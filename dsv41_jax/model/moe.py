@@ -174,16 +174,18 @@ def _relayout_on_device(w, fn):
     per = int(max(1, min(E, _RELAYOUT_CHUNK_BYTES // max(1, w.nbytes // E))))
     out = jax.eval_shape(fn, jax.ShapeDtypeStruct(w.shape, w.dtype))
     res = jax.jit(lambda: jnp.zeros(out.shape, out.dtype), out_shardings=w.sharding)()
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def put(res, w, i):
-        part = fn(lax.dynamic_slice_in_dim(w, i, per, axis=0))
-        return lax.dynamic_update_slice_in_dim(res, part, i, axis=0)
-
     for i in range(0, E, per):
         # (the last chunk ends at E: it may cover experts already done, with the same values)
-        res = put(res, w, jnp.int32(min(i, E - per)))
+        res = _relayout_chunk(res, w, jnp.int32(min(i, E - per)), fn, per)
     return res
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4), donate_argnums=0)
+def _relayout_chunk(res, w, i, fn, per: int):
+    """``res`` with experts i .. i + per - 1 set to ``fn`` of ``w``'s (in place: ``res`` donated;
+    one executable per shape, shared by the projections of a model)."""
+    part = fn(lax.dynamic_slice_in_dim(w, i, per, axis=0))
+    return lax.dynamic_update_slice_in_dim(res, part, i, axis=0)
 
 
 def _relayout(var, fn, via_host: bool | None = None) -> None:
