@@ -1,12 +1,15 @@
 """Where ``encode_images``' time beyond the tower goes: a timeline of one call on the GPU.
 
 The full-width V4.1 vision tower + aligner (random weights, bf16, the bf16 attention mode) on one
-~961-token image, as ``bench_slice.py``'s ``vit`` row runs it. Three calls run under
-``jax.profiler.trace``, each inside a ``TraceAnnotation``; for each, the row gives (ms from the
-call's start): when the first transfer and the first kernel start, when the last kernel ends,
-the summed kernel and transfer time, and the idle gaps of the device over 20 us (with the
-events on either side). A second row splits the host work of the call by stage (pack, put,
-dispatch of the tower, the span assembly) with ``perf_counter``::
+~961-token image, as ``bench_slice.py``'s ``vit`` row runs it, with the tower in 1 / 4 / 1 / 4 / 6
+parts (``DSV41_VIT_PARTS``, ``vision.tower_parts``), A/B in one process. Per variant: the wall time
+of ``encode_images`` (``encode_wall``), its host work by stage (pack, put, dispatch of the tower,
+the span assembly; also with one ``device_put`` for the five arrays), and for the first 4-part
+variant one call under ``jax.profiler.trace`` (``encode_timeline``, ms from the call's start):
+when the first transfer and the first kernel start, when the last kernel ends, the summed kernel
+and transfer time, the device's idle gaps over 20 us (with the events on either side) and the
+longest host events. ``--no-command-buffer`` adds the tower compiled without XLA's command
+buffers (run 38: no faster)::
 
     python3 benchmarks/probe_vit_gap.py          # writes $OUT/probe_vit_gap.jsonl
 """
@@ -133,7 +136,8 @@ def main():
     ap.add_argument("--preset", default="v41-flash", help="'tiny' for a CPU check of the script")
     ap.add_argument("--no-command-buffer", action="store_true",
                     help="also the tower compiled without XLA's command buffers (CUDA graphs)")
-    cfg = preset(ap.parse_args().preset)
+    args = ap.parse_args()
+    cfg = preset(args.preset)
     num = Numerics("bfloat16", "reference", vision_attention="bf16")
     vision, aligner = V.build_vision_modules(cfg, num)
     v = cfg.vision
@@ -179,7 +183,7 @@ def main():
         os.environ["DSV41_VIT_PARTS"] = parts
         measure(f"parts={parts}", 1 if i == 1 else 0)
     os.environ.pop("DSV41_VIT_PARTS")
-    if "--no-command-buffer" in sys.argv:  # (run 38: no faster end to end than the default)
+    if args.no_command_buffer:  # (run 38: no faster end to end than the default)
         import functools
 
         runner = V._TOWERS[vision]

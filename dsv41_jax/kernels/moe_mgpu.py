@@ -411,7 +411,7 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                 n_sl = pl.ds(blk * bm, bm)
 
                 def result(accs):
-                    if stage:  # (the last step waited already; nothing may be in flight here)
+                    if stage:  # (the last step's wait is inside a branch; the reads need one here)
                         plgpu.wgmma_wait(0)
                     if glu is None:
                         return accs[0][...].astype(BF16)

@@ -220,12 +220,14 @@ def block_expert_codes(model, *, force: bool = False, via_host: bool | None = No
     regardless). Every reader follows the layout (the Triton and Mosaic GPU
     kernels read it as it is, the XLA forms transpose the experts they take), and the values do
     not change. On the GPU the prefill's expert kernel streams each step's weight tile as one
-    contiguous block instead of 64-byte pieces K bytes apart: run 36 measured 11-14% faster
-    launches. Projections whose input width is not a multiple of 64 stay in rows. A single-device
+    contiguous block instead of 64-byte pieces K bytes apart (~10% faster launches in isolation,
+    runs 36 and 38), but the model's 8k prefill was no faster with it and decode 7.5% slower
+    (run 38): off by default. Projections whose input width is not a multiple of 64 stay in rows. A single-device
     layout: weights spread over several devices are refused (``sharding.shard_model`` restores
     rows first). ``api.load`` calls it for models on one device; checkpoints are written in rows
-    (``save_model``). Each projection is transposed on its device where twice its bytes are free,
-    else through host memory (``via_host`` forces either). Returns how many projections it
+    (``save_model``). Each projection is rearranged on its device a few experts at a time where
+    twice its bytes are free, else through host memory (:func:`_relayout`; ``via_host`` forces
+    either). Returns how many projections it
     blocked. Structural change: ``generate.forget(model)`` if it already ran."""
     from dsv41_jax.kernels.qmatmul import KBLOCK, kblock
 
