@@ -749,7 +749,8 @@ def bench_prefill(model, cfg, lengths, mm_tflop_s=None, batch: int = 1):
 
 def bench_vit(model, cfg, tokens, modes=("fp32", "bf16")):
     """ViT + aligner on one image of about ``tokens`` LLM tokens, per vision attention mode:
-    "fp32" = the parity path (the reference's fp32 attention), "bf16" = the performance mode."""
+    "fp32" = the parity path (the reference's fp32 attention), "bf16" = the performance mode
+    ("bf16:mgpu": with ``DSV41_VIT_ATTN=mgpu``, the Mosaic GPU kernel ``kernels.vit_attn``)."""
     import dataclasses
 
     from dsv41_jax import processor
@@ -766,7 +767,13 @@ def bench_vit(model, cfg, tokens, modes=("fp32", "bf16")):
     lin = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nnx.state(model.vision, nnx.Param))
               if x.ndim == 2)
     flops = 2.0 * N * lin + 4.0 * N * N * Dv * L
-    for mode in modes:
+    for spec in modes:
+        # "bf16:mgpu" / "bf16:cudnn": the bf16 mode with DSV41_VIT_ATTN set for this row
+        mode, _, gpu_attn = spec.partition(":")
+        if gpu_attn:
+            os.environ["DSV41_VIT_ATTN"] = gpu_attn
+        else:
+            os.environ.pop("DSV41_VIT_ATTN", None)
         num = dataclasses.replace(model.numerics, vision_attention=mode)
         try:
             t0 = time.perf_counter()
@@ -799,12 +806,13 @@ def bench_vit(model, cfg, tokens, modes=("fp32", "bf16")):
                 row[f"patch_bytes_{form}"] = int(gp[0].patches.nbytes)
             tower_s = row["tower_bf16_s"]
             emit(**row)
-            emit(what="vit", vit_attention=mode, attention_impl=impl, tower_s=tower_s,
+            emit(what="vit", vit_attention=mode, attention_impl=impl, vit_parts=len(V.tower_parts(v.num_hidden_layers)),
+                 tower_s=tower_s,
                  cudnn_error=V._CUDNN_FAILED[0][:200] if V._CUDNN_FAILED else None,
                  image_tokens=int(np.prod(pi.llm_grid)), patches=N, flops=flops, seconds=run, first_call_s=first,
                  tflop_per_s=flops / run / 1e12, mfu=(flops / run / 1e12 / MM_TFLOP_S) if MM_TFLOP_S else None)
         except Exception as e:
-            emit(what="vit", vit_attention=mode, error=f"{type(e).__name__}: {str(e)[:300]}")
+            emit(what="vit", vit_attention=spec, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
 def bench_compile_full(numerics, shapes, experts_int8=False):

@@ -50,6 +50,21 @@ def main():
             emit(form=name, ms=round(t * 1e3, 3), tflop_s=round(flops / t / 1e12, 1))
         except Exception as e:  # noqa: BLE001
             emit(form=name, error=f"{type(e).__name__}: {str(e)[:300]}")
+    # this project's kernel (kernels.vit_attn): bf16 with the key mask, checked against cuDNN's values
+    from dsv41_jax.kernels import vit_attn
+
+    want = jax.jit(forms["cudnn_kv_lengths"])(q, k, v).astype(jnp.float32)
+    for bq, bkv, st, turns in ((64, 64, 2, False), (64, 64, 2, True), (64, 128, 2, True), (64, 64, 3, True),
+                               (64, 128, 3, True)):
+        try:
+            f = jax.jit(lambda q, k, v, bq=bq, bkv=bkv, st=st, turns=turns: vit_attn.attention(
+                q, k, v, lens, block_q=bq, block_kv=bkv, steps=st, impl="mosaic", turns=turns))
+            err = float(jnp.abs(f(q, k, v).astype(jnp.float32) - want).max())
+            t = timeit(f, q, k, v)
+            emit(form="vit_attn_mgpu", block_q=bq, block_kv=bkv, stages=st, turns=turns, ms=round(t * 1e3, 3),
+                 tflop_s=round(flops / t / 1e12, 1), max_abs_vs_cudnn=err)
+        except Exception as e:  # noqa: BLE001
+            emit(form="vit_attn_mgpu", block_q=bq, block_kv=bkv, stages=st, turns=turns, error=f"{type(e).__name__}: {str(e)[:600]}")
     # JAX's Mosaic GPU flash attention takes float16 only (run 36: bf16 fails inside it): timed
     # in float16, unmasked, as a measure of what a Hopper kernel reaches at head_dim 64
     qh, kh, vh = (t.astype(jnp.float16) for t in (q, k, v))

@@ -108,7 +108,11 @@ def attention(q, k, v, key_mask, q_block: int = 0):
     return rows(qf)
 
 
-ATTENTION_IMPLS = ("fp32", "cudnn", "xla")
+ATTENTION_IMPLS = ("fp32", "cudnn", "mgpu", "xla")
+# the bf16 attention on a GPU: "cudnn" (jax.nn.dot_product_attention's cuDNN flash attention) or
+# "mgpu" (``kernels.vit_attn``, this project's Mosaic GPU kernel; Hopper only, sequence lengths that
+# are multiples of 128, else cuDNN). ``DSV41_VIT_ATTN`` overrides.
+DEFAULT_GPU_ATTENTION = "cudnn"
 _CUDNN_FAILED: list[str] = []  # set once a cuDNN attention failed to trace or compile here
 
 
@@ -120,7 +124,18 @@ def attention_impl(vision_attention: str, backend: str | None = None) -> str:
     if vision_attention != "bf16":
         raise ValueError(f"vision_attention {vision_attention!r} must be 'fp32' or 'bf16'")
     backend = jax.default_backend() if backend is None else backend
-    return "cudnn" if backend in ("gpu", "cuda") and not _CUDNN_FAILED else "xla"
+    if backend not in ("gpu", "cuda"):
+        return "xla"
+    choice = os.environ.get("DSV41_VIT_ATTN", DEFAULT_GPU_ATTENTION)
+    if choice not in ("cudnn", "mgpu", "xla"):
+        raise ValueError(f"DSV41_VIT_ATTN={choice!r}: use 'cudnn', 'mgpu' or 'xla'")
+    if choice == "mgpu":
+        from dsv41_jax.kernels import vit_attn
+
+        if vit_attn.resolve_impl("auto") == "mosaic":
+            return "mgpu"
+        choice = "cudnn"
+    return "cudnn" if choice == "cudnn" and not _CUDNN_FAILED else "xla"
 
 
 def _cudnn_failed(err: BaseException) -> None:
@@ -143,6 +158,12 @@ def attention_bf16(q, k, v, n_valid, impl: str = "xla", q_block: int = 0):
     """
     b, n, h, d = q.shape
     q, k, v = (t.astype(jnp.bfloat16) for t in (q, k, v))
+    if impl == "mgpu":
+        from dsv41_jax.kernels import vit_attn
+
+        if vit_attn.supported(q.shape) is None:
+            return vit_attn.attention(q, k, v, n_valid, impl="mosaic")
+        impl = "cudnn" if not _CUDNN_FAILED else "xla"  # (a shape the kernel does not take)
     kw = dict(scale=1.0 / math.sqrt(d), key_value_seq_lengths=n_valid.astype(jnp.int32))
     if impl == "cudnn":
         try:
