@@ -73,3 +73,29 @@ def test_lowering_at_vit_shape_and_errors():
         VA.attention(q, q, q, jnp.array([90]), impl="cudnn")
     if jax.default_backend() != "gpu":
         assert VA.resolve_impl("auto") == "xla"
+
+
+def test_config_and_selection(monkeypatch):
+    """``DSV41_VIT_ATTN_CFG`` overrides ``DEFAULT_CONFIG`` field by field (bad JSON or an unknown
+    field: one clear error); ``DSV41_VIT_ATTN`` picks the GPU attention (a bad value: one clear
+    error; off the GPU the bf16 mode runs XLA whatever it says)."""
+    from dsv41_jax.model import vision as V
+
+    monkeypatch.setenv("DSV41_VIT_ATTN_CFG", '{"block_kv": 64, "mask": "cond"}')
+    assert VA.config() == {**VA.DEFAULT_CONFIG, "block_kv": 64, "mask": "cond"}
+    monkeypatch.setenv("DSV41_VIT_ATTN_CFG", "{block_kv: 64}")
+    with pytest.raises(ValueError, match="not JSON"):
+        VA.config()
+    monkeypatch.setenv("DSV41_VIT_ATTN_CFG", '{"tile": 64}')
+    with pytest.raises(ValueError, match="unknown fields"):
+        VA.config()
+    monkeypatch.delenv("DSV41_VIT_ATTN_CFG")
+    assert VA.config() == VA.DEFAULT_CONFIG
+    with pytest.raises(ValueError, match="mask"):
+        VA.attention(*(jnp.zeros((1, 128, 1, 64), BF16),) * 3, jnp.array([5]), mask="none")
+    monkeypatch.setenv("DSV41_VIT_ATTN", "flash")
+    with pytest.raises(ValueError, match="DSV41_VIT_ATTN"):
+        V.attention_impl("bf16", backend="gpu")
+    monkeypatch.setenv("DSV41_VIT_ATTN", "mgpu")
+    assert V.attention_impl("bf16", backend="cpu") == "xla"
+    assert V.attention_impl("fp32", backend="gpu") == "fp32"

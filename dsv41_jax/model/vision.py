@@ -161,8 +161,9 @@ def attention_bf16(q, k, v, n_valid, impl: str = "xla", q_block: int = 0):
     if impl == "mgpu":
         from dsv41_jax.kernels import vit_attn
 
-        if vit_attn.supported(q.shape) is None:
-            return vit_attn.attention(q, k, v, n_valid, impl="mosaic")
+        cfg = vit_attn.config()
+        if vit_attn.supported(q.shape, cfg["block_q"], cfg["block_kv"]) is None:
+            return vit_attn.attention(q, k, v, n_valid, impl="mosaic", **cfg)
         impl = "cudnn" if not _CUDNN_FAILED else "xla"  # (a shape the kernel does not take)
     kw = dict(scale=1.0 / math.sqrt(d), key_value_seq_lengths=n_valid.astype(jnp.int32))
     if impl == "cudnn":
