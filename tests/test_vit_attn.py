@@ -26,20 +26,23 @@ def _oracle(q, k, v, n_valid, scale):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("block_kv,steps", [(64, 2), (128, 3)])
-def test_interpreter_matches_oracle(block_kv, steps):
+@pytest.mark.parametrize("block_kv,steps,opts", [(64, 2, {}), (128, 3, {}),
+                                                 (128, 2, dict(mask="cond", early=True)),
+                                                 (256, 2, dict(mask="cond", early=True))])
+def test_interpreter_matches_oracle(block_kv, steps, opts):
     """Two images (one with every key valid, one with 139 of 256: a partly masked key block and a
     fully masked one), two heads, several key steps, two query tiles per (image, head). The
     probabilities are rounded to bf16 before P.V and the output to bf16: the tolerance is a few
     bf16 ulps of the output's scale. The two compute warpgroups' turn barrier is off here (JAX
-    0.10.2's interpreter hangs on it; it is on in the lowering test and on the GPU)."""
+    0.10.2's interpreter hangs on it; it is on in the lowering test and on the GPU). The schedule
+    options (the bias only in blocks with padded keys, K released early) change no value."""
     B, N, H, d = 2, 256, 2, 64
     ks = jax.random.split(jax.random.key(3), 3)
     q, k, v = (jax.random.normal(kk, (B, N, H, d), jnp.float32).astype(BF16) for kk in ks)
     q = q * 2  # sharper softmax rows than unit logits
     nv = jnp.array([256, 139], jnp.int32)
-    got = np.asarray(VA.attention(q, k, v, nv, block_kv=block_kv, steps=steps, impl="interpret", turns=False),
-                     np.float64)
+    got = np.asarray(VA.attention(q, k, v, nv, block_kv=block_kv, steps=steps, impl="interpret", turns=False,
+                                  **opts), np.float64)
     want = _oracle(q, k, v, nv, 1 / 8)
     assert np.abs(got - want).max() < 4 * 2.0 ** -8 * np.abs(want).max()
     xla = np.asarray(VA.attention(q, k, v, nv, impl="xla"), np.float64)
@@ -47,19 +50,19 @@ def test_interpreter_matches_oracle(block_kv, steps):
     # the masked keys do not leak: moving them changes nothing
     k2 = k.at[1, 139:].set(100.0)
     v2 = v.at[1, 139:].set(-50.0)
-    got2 = np.asarray(VA.attention(q, k2, v2, nv, block_kv=block_kv, steps=steps, impl="interpret", turns=False),
-                      np.float64)
+    got2 = np.asarray(VA.attention(q, k2, v2, nv, block_kv=block_kv, steps=steps, impl="interpret", turns=False,
+                                   **opts), np.float64)
     assert np.array_equal(got2[1], got[1])
 
 
 def test_lowering_at_vit_shape_and_errors():
     """The kernel lowers for CUDA (no GPU needed) at the V4.1 tower's shape (one 1024-token image:
-    8704 padded patches, 16 heads x 64), with the turn barrier; unsupported shapes and a bad impl
+    8704 padded patches, 16 heads x 64), with the turn barrier, and with the default schedule; unsupported shapes and a bad impl
     give one clear error each; off the GPU ``auto`` takes the XLA form."""
     SD = jax.ShapeDtypeStruct
     x = SD((1, 8704, 16, 64), BF16)
-    for bkv in (64, 128):
-        f = jax.jit(lambda q, k, v, n, bkv=bkv: VA.attention(q, k, v, n, block_kv=bkv, impl="mosaic"))
+    for cfg in (dict(block_kv=64), dict(block_kv=128), VA.DEFAULT_CONFIG):
+        f = jax.jit(lambda q, k, v, n, cfg=cfg: VA.attention(q, k, v, n, impl="mosaic", **cfg))
         assert "mosaic_gpu" in f.trace(x, x, x, SD((1,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     q = jnp.zeros((1, 96, 2, 64), BF16)
     with pytest.raises(ValueError, match="sequence length 96"):

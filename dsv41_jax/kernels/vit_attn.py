@@ -12,7 +12,10 @@ Query rows at or beyond ``n_valid`` are computed like the others (finite values)
 Why a kernel of our own: cuDNN runs the tower's 16-head x 64 attention at ~330 TFLOP/s on an H100
 (``probe_vit_attention.py``, run 36), ~29.7 of the tower's ~41.5 ms. JAX ships a Hopper flash
 attention (``jax.experimental.pallas.ops.gpu.attention_mgpu``), but its shared-memory buffers are
-float16 whatever the inputs are (bf16 fails inside it, run 36) and it has no key mask.
+float16 whatever the inputs are (bf16 fails inside it, run 36) and it has no key mask. Outcome
+(run 39, H100): 0.95-0.97 ms per layer in isolation against cuDNN's 1.05-1.11 ms with key
+lengths, but no faster inside the tower (48.87 vs 48.24 ms per ``encode_images``), so
+``vision`` runs it only with ``DSV41_VIT_ATTN=mgpu``.
 
 The schedule: a CTA owns 2 x ``block_q`` query rows of one (image, head); two compute warpgroups
 own ``block_q`` rows each and a memory warpgroup streams K, V and the key bias through
@@ -69,10 +72,13 @@ def resolve_impl(impl: str = "auto") -> str:
     return "mosaic" if 9.0 <= compute_capability() < 10.0 else "xla"
 
 
-# the schedule ``vision.attention_bf16`` runs (run 39, H100: 64 x 128 tiles, two stages, turns:
-# 0.951 ms per V4.1 layer against cuDNN's 1.053 ms with the key lengths); ``DSV41_VIT_ATTN_CFG``
-# (JSON) overrides fields
-DEFAULT_CONFIG = dict(block_q=64, block_kv=128, steps=2, turns=True, mask="bias", early=False)
+# the schedule ``vision.attention_bf16`` runs: run 39's fastest in isolation (call 2, H100: 64 x 256
+# tiles, two stages, turns, the bias only in blocks with padded keys, K released early: 0.967 ms
+# per V4.1 layer against cuDNN's 1.109 ms with key lengths; call 1 had 64 x 128 with the bias in
+# every step at 0.951 against 1.053, and 1.438 in call 2: the turn schedule's times vary between
+# processes). In the tower it was no faster than cuDNN (run 39), so it is opt-in.
+# ``DSV41_VIT_ATTN_CFG`` (JSON) overrides fields
+DEFAULT_CONFIG = dict(block_q=64, block_kv=256, steps=2, turns=True, mask="cond", early=True)
 
 
 def config() -> dict:
