@@ -2,7 +2,10 @@
 bf16, no causal mask) on the GPU: cuDNN's flash attention (what ``vision.attention_bf16`` runs,
 with the padded keys masked by sequence length) against JAX's Mosaic GPU attention kernel
 (``jax.experimental.pallas.ops.gpu.attention_mgpu``: float16 only and no key mask, so it runs
-in float16 over the padded keys too: timing only). One JSON line per row::
+in float16 over the padded keys too: timing only). Each cuDNN and kernel row also gives
+``chain_ms``: per call of ``PROBE_VIT_ATTN_CHAIN`` (32) calls chained in one executable, as the
+tower runs them (the single-call ``ms`` includes the dispatch and the host's wait). One JSON line
+per row::
 
     python3 benchmarks/probe_vit_attention.py
 """
@@ -22,8 +25,19 @@ from bench_slice import bench, jsonl_emitter  # noqa: E402
 emit = jsonl_emitter("probe_vit_attention.jsonl")
 
 
+CHAIN = int(os.environ.get("PROBE_VIT_ATTN_CHAIN", "32"))
+
+
 def timeit(f, *a):
     return bench(f, *a, warmup=1, iters=10)[0]
+
+
+def chained_ms(fn, q, k, v, n):
+    """ms per call of ``CHAIN`` calls in one executable, each call's output the next one's q (as
+    the tower's 32 layers run: no per-call dispatch or host sync in the time; the key lengths a
+    traced argument as in the tower)."""
+    f = jax.jit(lambda q, k, v, n: jax.lax.fori_loop(0, CHAIN, lambda i, o: fn(o, k, v, n).astype(o.dtype), q))
+    return round(timeit(f, q, k, v, n) * 1e3 / CHAIN, 3)
 
 
 def main():
@@ -44,10 +58,19 @@ def main():
         "xla_kv_lengths": lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=sc, implementation="xla", key_value_seq_lengths=lens),
     }
+    traced = {  # the same calls with the key lengths as an argument, for the chained timing
+        "cudnn_kv_lengths": lambda q, k, v, n: jax.nn.dot_product_attention(
+            q, k, v, scale=sc, implementation="cudnn", key_value_seq_lengths=n),
+        "cudnn_unmasked": lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, scale=sc, implementation="cudnn"),
+    }
     for name, fn in forms.items():
         try:
             t = timeit(jax.jit(fn), q, k, v)
-            emit(form=name, ms=round(t * 1e3, 3), tflop_s=round(flops / t / 1e12, 1))
+            row = dict(form=name, ms=round(t * 1e3, 3), tflop_s=round(flops / t / 1e12, 1))
+            if name in traced and CHAIN:
+                row["chain_ms"] = chained_ms(traced[name], q, k, v, lens)
+                row["chain_tflop_s"] = round(flops / row["chain_ms"] / 1e9, 1)
+            emit(**row)
         except Exception as e:  # noqa: BLE001
             emit(form=name, error=f"{type(e).__name__}: {str(e)[:300]}")
     # this project's kernel (kernels.vit_attn): bf16 with the key mask, checked against cuDNN's values
@@ -65,8 +88,13 @@ def main():
             f = jax.jit(lambda q, k, v, cfg=cfg: vit_attn.attention(q, k, v, lens, impl="mosaic", **cfg))
             err = float(jnp.abs(f(q, k, v).astype(jnp.float32) - want).max())
             t = timeit(f, q, k, v)
-            emit(form="vit_attn_mgpu", **cfg, ms=round(t * 1e3, 3), tflop_s=round(flops / t / 1e12, 1),
-                 max_abs_vs_cudnn=err)
+            row = dict(form="vit_attn_mgpu", **cfg, ms=round(t * 1e3, 3), tflop_s=round(flops / t / 1e12, 1),
+                       max_abs_vs_cudnn=err)
+            if CHAIN:
+                row["chain_ms"] = chained_ms(lambda q, k, v, n, cfg=cfg: vit_attn.attention(
+                    q, k, v, n, impl="mosaic", **cfg), q, k, v, lens)
+                row["chain_tflop_s"] = round(flops / row["chain_ms"] / 1e9, 1)
+            emit(**row)
         except Exception as e:  # noqa: BLE001
             emit(form="vit_attn_mgpu", **cfg, error=f"{type(e).__name__}: {str(e)[:600]}")
     if os.environ.get("PROBE_VIT_ATTN_ONLY_KERNEL"):
