@@ -32,7 +32,6 @@ else ``xla``.
 """
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -133,7 +132,7 @@ def attention(q, k, v, n_valid, *, scale: float | None = None, block_q: int = 64
         raise ValueError(f"vit_attn.attention: {why}")
     bias = jnp.where(jnp.arange(n)[None, :] < nv[:, None], 0.0, -jnp.inf).astype(F32)
     return _call(q, k, v, bias, nv, scale=scale, block_q=block_q, block_kv=block_kv,
-                 steps=max(2, min(steps, n // block_kv)), interpret=impl == "interpret", turns=turns, mask=mask,
+                 steps=steps, interpret=impl == "interpret", turns=turns, mask=mask,
                  early=early)
 
 
@@ -249,5 +248,3 @@ def _call(q, k, v, bias, nv, *, scale: float, block_q: int, block_kv: int, steps
         **extra)
     return f(q, k, v, bias, nv)
 
-
-attention_jit = functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "impl"))(attention)

@@ -110,8 +110,9 @@ def attention(q, k, v, key_mask, q_block: int = 0):
 
 ATTENTION_IMPLS = ("fp32", "cudnn", "mgpu", "xla")
 # the bf16 attention on a GPU: "cudnn" (jax.nn.dot_product_attention's cuDNN flash attention) or
-# "mgpu" (``kernels.vit_attn``, this project's Mosaic GPU kernel; Hopper only, sequence lengths that
-# are multiples of 128, else cuDNN). ``DSV41_VIT_ATTN`` overrides.
+# "mgpu" (``kernels.vit_attn``, this project's Mosaic GPU kernel; Hopper only, and sequence lengths
+# that its tiles divide, else cuDNN; no faster than cuDNN in the tower, run 39). ``DSV41_VIT_ATTN``
+# overrides.
 DEFAULT_GPU_ATTENTION = "cudnn"
 _CUDNN_FAILED: list[str] = []  # set once a cuDNN attention failed to trace or compile here
 
