@@ -119,7 +119,9 @@ _CUDNN_FAILED: list[str] = []  # set once a cuDNN attention failed to trace or c
 
 def attention_impl(vision_attention: str, backend: str | None = None) -> str:
     """The ViT attention implementation for a ``Numerics.vision_attention`` value: "fp32" (parity
-    path), or for "bf16" "cudnn" on a GPU backend (unless it already failed here) else "xla"."""
+    path), or for "bf16" on a GPU backend ``DSV41_VIT_ATTN`` (default ``DEFAULT_GPU_ATTENTION``):
+    "cudnn" (unless it already failed here, then "xla"), "mgpu" (on a Hopper GPU, else "cudnn") or
+    "xla"; off the GPU "xla"."""
     if vision_attention == "fp32":
         return "fp32"
     if vision_attention != "bf16":
@@ -154,7 +156,8 @@ def attention_bf16(q, k, v, n_valid, impl: str = "xla", q_block: int = 0):
     accumulation, P rounded to bf16 before P·V (as flash attention kernels do). Keys at index
     >= n_valid[b] are excluded (``key_value_seq_lengths``; every query row stays computed, so the
     padded rows stay finite). "cudnn": one fused flash-attention call (a cuDNN that refuses the
-    shapes falls back to "xla" with a warning); "xla": the same math in XLA, over query blocks of
+    shapes falls back to "xla" with a warning); "mgpu": ``kernels.vit_attn`` (the same rounding
+    points; shapes its tiles do not divide go to cuDNN); "xla": the same math in XLA, over query blocks of
     ``q_block`` rows when that divides N (bounds the fp32 [B, H, q, N] logits).
     """
     b, n, h, d = q.shape
@@ -242,8 +245,8 @@ class ViT(nnx.Module):
 
     def __call__(self, patches, rows, cols, n_valid, q_block: int = 0, impl: str | None = None):
         """rows/cols: [B, N] int32 patch grid position; n_valid: [B] real patches per image
-        (keys at index >= n_valid are masked). ``impl``: "fp32" (parity path), "cudnn" or "xla"
-        (performance mode, see ``attention_bf16``); default from ``numerics.vision_attention``."""
+        (keys at index >= n_valid are masked). ``impl``: "fp32" (parity path), "cudnn", "mgpu" or
+        "xla" (performance mode, see ``attention_bf16``); default from ``numerics.vision_attention``."""
         return self.run(patches, rows, cols, n_valid, 0, len(self.blocks), q_block, impl)
 
     def run(self, x, rows, cols, n_valid, start: int, stop: int, q_block: int = 0, impl: str | None = None):
