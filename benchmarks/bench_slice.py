@@ -767,9 +767,12 @@ def bench_vit(model, cfg, tokens, modes=("fp32", "bf16")):
     lin = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(nnx.state(model.vision, nnx.Param))
               if x.ndim == 2)
     flops = 2.0 * N * lin + 4.0 * N * N * Dv * L
+    user_attn = os.environ.get("DSV41_VIT_ATTN")
     for spec in modes:
-        # "bf16:mgpu" / "bf16:cudnn": the bf16 mode with DSV41_VIT_ATTN set for this row
+        # "bf16:mgpu" / "bf16:cudnn": the bf16 mode with DSV41_VIT_ATTN set for this row (a plain
+        # mode keeps the caller's setting)
         mode, _, gpu_attn = spec.partition(":")
+        gpu_attn = gpu_attn or user_attn
         if gpu_attn:
             os.environ["DSV41_VIT_ATTN"] = gpu_attn
         else:

@@ -4,13 +4,15 @@ with the padded keys masked by sequence length) against JAX's Mosaic GPU attenti
 (``jax.experimental.pallas.ops.gpu.attention_mgpu``: float16 only and no key mask, so it runs
 in float16 over the padded keys too: timing only). Each cuDNN and kernel row also gives
 ``chain_ms``: per call of ``PROBE_VIT_ATTN_CHAIN`` (32) calls chained in one executable, as the
-tower runs them (the single-call ``ms`` includes the dispatch and the host's wait). One JSON line
-per row::
+tower runs them (the single-call ``ms`` includes the dispatch and the host's wait). The key
+lengths are an argument of every call (run 39's single-call rows had them as a constant). One JSON
+line per row::
 
     python3 benchmarks/probe_vit_attention.py
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -49,26 +51,21 @@ def main():
     flops = 4.0 * n_valid * n_valid * H * d
     lens = jnp.array([n_valid], jnp.int32)
     sc = 1.0 / np.sqrt(d)
-    forms = {  # cuDNN as vision.attention_bf16 calls it (key lengths only), and variants of the call
-        "cudnn_kv_lengths": lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, scale=sc, implementation="cudnn", key_value_seq_lengths=lens),
-        "cudnn_q_and_kv_lengths": lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, scale=sc, implementation="cudnn", query_seq_lengths=lens, key_value_seq_lengths=lens),
-        "cudnn_unmasked": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=sc, implementation="cudnn"),
-        "xla_kv_lengths": lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, scale=sc, implementation="xla", key_value_seq_lengths=lens),
+    dpa = functools.partial(jax.nn.dot_product_attention, scale=sc)
+    forms = {  # cuDNN as vision.attention_bf16 calls it (key lengths only), variants of the call; the
+        # lengths an argument (traced, as in the tower); chained only where ``chain`` is set
+        "cudnn_kv_lengths": (lambda q, k, v, n: dpa(q, k, v, implementation="cudnn", key_value_seq_lengths=n), True),
+        "cudnn_q_and_kv_lengths": (lambda q, k, v, n: dpa(q, k, v, implementation="cudnn", query_seq_lengths=n,
+                                                          key_value_seq_lengths=n), False),
+        "cudnn_unmasked": (lambda q, k, v, n: dpa(q, k, v, implementation="cudnn"), True),
+        "xla_kv_lengths": (lambda q, k, v, n: dpa(q, k, v, implementation="xla", key_value_seq_lengths=n), False),
     }
-    traced = {  # the same calls with the key lengths as an argument, for the chained timing
-        "cudnn_kv_lengths": lambda q, k, v, n: jax.nn.dot_product_attention(
-            q, k, v, scale=sc, implementation="cudnn", key_value_seq_lengths=n),
-        "cudnn_unmasked": lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, scale=sc, implementation="cudnn"),
-    }
-    for name, fn in forms.items():
+    for name, (fn, chain) in forms.items():
         try:
-            t = timeit(jax.jit(fn), q, k, v)
+            t = timeit(jax.jit(fn), q, k, v, lens)
             row = dict(form=name, ms=round(t * 1e3, 3), tflop_s=round(flops / t / 1e12, 1))
-            if name in traced and CHAIN:
-                row["chain_ms"] = chained_ms(traced[name], q, k, v, lens)
+            if chain and CHAIN:
+                row["chain_ms"] = chained_ms(fn, q, k, v, lens)
                 row["chain_tflop_s"] = round(flops / row["chain_ms"] / 1e9, 1)
             emit(**row)
         except Exception as e:  # noqa: BLE001
@@ -76,7 +73,7 @@ def main():
     # this project's kernel (kernels.vit_attn): bf16 with the key mask, checked against cuDNN's values
     from dsv41_jax.kernels import vit_attn
 
-    want = jax.jit(forms["cudnn_kv_lengths"])(q, k, v).astype(jnp.float32)
+    want = jax.jit(forms["cudnn_kv_lengths"][0])(q, k, v, lens).astype(jnp.float32)
     variants = [dict(block_kv=128), dict(block_kv=128, turns=False), dict(block_kv=128, mask="cond"),
                 dict(block_kv=128, mask="cond", early=True), dict(block_kv=128, turns=False, mask="cond", early=True),
                 dict(block_kv=128, steps=3, mask="cond", early=True), dict(block_kv=256, mask="cond", early=True),

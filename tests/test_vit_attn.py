@@ -70,6 +70,8 @@ def test_lowering_at_vit_shape_and_errors():
     q = jnp.zeros((1, 128, 2, 32), BF16)
     with pytest.raises(ValueError, match="head_dim 32"):
         VA.attention(q, q, q, jnp.array([90]), impl="mosaic")
+    with pytest.raises(ValueError, match=r"\[B, N, H, d\]"):
+        VA.attention(q[0], q[0], q[0], jnp.array([90]), impl="xla")
     with pytest.raises(ValueError, match="one shape"):
         VA.attention(q, q[:, :64], q, jnp.array([90]), impl="xla")
     with pytest.raises(ValueError, match="impl"):

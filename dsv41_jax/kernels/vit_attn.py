@@ -118,6 +118,8 @@ def attention(q, k, v, n_valid, *, scale: float | None = None, block_q: int = 64
     not at the end of the step)."""
     if mask not in ("bias", "cond"):
         raise ValueError(f"vit_attn.attention: mask {mask!r} not in ('bias', 'cond')")
+    if q.ndim != 4:
+        raise ValueError(f"vit_attn.attention: q must be [B, N, H, d], got {tuple(q.shape)}")
     b, n, h, d = q.shape
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(f"vit_attn.attention: q {q.shape}, k {k.shape}, v {v.shape} must have one shape")
