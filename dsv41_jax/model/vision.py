@@ -402,8 +402,8 @@ def device_patches(patches, n_valid):
     return jnp.where(live, x, jnp.zeros((), x.dtype))
 
 
-# one executable until the parts are timed on a GPU (predicted: ~5 ms less per encode_images
-# call of a 961-token image, docs/status.md "Next single-GPU session")
+# one executable: the parts were timed in run 39 (H100) and gave nothing (44.2 ms per
+# encode_images call of a 961-token image with 1, 4 or 6 parts; predicted ~5 ms less)
 DEFAULT_VIT_PARTS = 1
 
 
@@ -414,7 +414,8 @@ def tower_parts(n_layers: int) -> tuple[tuple[int, int], ...]:
     the 32-block tower's ~570 kernels (run 38, H100), and the GPU waits for it. In parts, each
     next part is prepared while the GPU runs the previous one: the first part is short (2 blocks)
     so the GPU starts early, the later ones longer (2, 6, then the rest in equal parts; 4 parts:
-    0-2, 2-8, 8-20, 20-32)."""
+    0-2, 2-8, 8-20, 20-32). Run 39: the GPU does start earlier, but the host's dispatch stays on
+    the critical path, so the call is no faster."""
     k = int(os.environ.get("DSV41_VIT_PARTS", str(DEFAULT_VIT_PARTS)))
     if k < 1:
         raise ValueError(f"DSV41_VIT_PARTS={k}: at least 1")
