@@ -325,7 +325,19 @@ MGPU_VARIANTS = (("w1", "triton"), ("w1", {}), ("w1", dict(steps=3)), ("w1", dic
                  ("glu", dict(x_rows=True, out_rows=True, steps=3, tiled="kblocked", stage=True)),
                  ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, tiled="kblocked", stage=True)),
                  ("glu", dict(x_rows=True, out_rows=True, steps=2, tiled="kblocked", stage=True)),
-                 ("glu", dict(x_rows=True, out_rows=True, steps=3, stage=True)))
+                 ("glu", dict(x_rows=True, out_rows=True, steps=3, stage=True)),
+                 # (62-) session 30: the committed w2 tiles, then the codes loaded four bytes at a
+                 # time in the 2x-upcast layout (``Tiles.lhs``), moved to the WGMMA layout as bytes
+                 # or as bf16
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3)),
+                 ("glu", dict(x_rows=True, out_rows=True, lhs="8bit")),
+                 ("glu", dict(x_rows=True, out_rows=True, lhs="16bit")),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, lhs="8bit")),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, lhs="16bit")),
+                 # (67-) the same loads on K-blocked codes (the committed K-blocked tiles)
+                 ("glu", dict(x_rows=True, out_rows=True, steps=3, tiled="kblocked", lhs="8bit")),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, tiled="kblocked", lhs="8bit")),
+                 ("glu", dict(x_rows=True, out_rows=True, steps=3, tiled="kblocked", lhs="16bit")))
 
 
 def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304,

@@ -549,13 +549,15 @@ def test_kblocked_experts_reach_every_prefill_and_decode_path(numerics, monkeypa
 def test_kernel_options_lower_and_reject_bad_tiles():
     """``chain``, ``cluster`` (CTA pairs sharing the token tile by multicast: the interpreter has no
     cluster barriers, so CUDA lowering only; values on the GPU, ``sweep_prefill.py`` rows 35-36 and
-    40), the diagnostics and K-blocked codes lower for CUDA at V4.1-Flash shapes (fused GLU and w2,
+    40), the code loads ``lhs`` (register layouts exist only in the CUDA lowering; values on the GPU,
+    rows 63-69), the diagnostics and K-blocked codes lower for CUDA at V4.1-Flash shapes (fused GLU and w2,
     rows in and out); tiles they cannot take: one clear error each."""
     SD = jax.ShapeDtypeStruct
     R = 160 * 400
     w = (SD((384, 2304, 5120), jnp.int8), SD((384, 2304, 160), jnp.uint8))
     glu_args = (SD((R, 5120), BF16), SD((R,), F32), SD((400,), jnp.int32), SD((), jnp.int32), *w, *w)
-    for tiles in (MG.Tiles(chain=True), MG.Tiles(cluster=2, chain=True), MG.Tiles(probe="const_lhs,one_expert,no_store")):
+    for tiles in (MG.Tiles(chain=True), MG.Tiles(cluster=2, chain=True), MG.Tiles(probe="const_lhs,one_expert,no_store"),
+                  MG.Tiles(lhs="8bit"), MG.Tiles(lhs="16bit")):
         g = jax.jit(lambda *a, t=tiles: MG.grouped_glu_t(*a[:4], (a[4], a[5]), (a[6], a[7]), bm=160, limit=10.0,
                                                         impl="mosaic", num_sms=132, x_rows=True, out_rows=True, tiles=t))
         assert "mosaic_gpu" in g.trace(*glu_args).lower(lowering_platforms=("cuda",)).as_text(), tiles
@@ -574,4 +576,5 @@ def test_kernel_options_lower_and_reject_bad_tiles():
     assert "cluster=3" in MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(cluster=3))
     assert "cluster=2" in MG.applies(2304 - 128, 5120, 160, jnp.int8, BF16, MG.Tiles(cluster=2))
     assert "unknown probes" in MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(probe="fast"))
+    assert "lhs='4bit'" in MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(lhs="4bit"))
     assert MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(steps=5, chain=True)) is None

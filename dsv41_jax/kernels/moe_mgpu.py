@@ -76,6 +76,12 @@ class Tiles:
     # ``BlockSpec(delay_release=1)``); without it a step dequantizes into registers, issues its
     # MMAs and waits for them (a register operand must not change under an asynchronous wgmma)
     stage: bool = False
+    # ``lhs``: how a warpgroup's int8 codes reach wgmma's register layout. "" (Mosaic's default:
+    # the codes loaded in the WGMMA layout, two bytes per shared-memory load); "8bit" (loaded four
+    # bytes at a time in the 2x-upcast layout, moved to the WGMMA layout as bytes: one shuffle
+    # and one permute per four codes, then converted); "16bit" (loaded and converted in the
+    # 2x-upcast layout, the bf16 values moved to the WGMMA layout)
+    lhs: str = ""
     # diagnostics for ``sweep_prefill.py`` only, comma-separated; every one of them gives wrong
     # values: ``const_lhs`` (a constant left operand: no shared-memory read or dequantization of
     # the weights), ``one_expert`` (every block multiplies expert 0, whose weights stay in L2),
@@ -155,6 +161,8 @@ def applies(O: int, K: int, bm: int, codes_dtype, x_dtype, tiles: Tiles | None =
     if t.stage and (t.chain or t.steps < 2 or K // t.tile_k < 2):
         return (f"staged operands (released one step late) need steps >= 2 and two K steps, "
                 f"and no chain (got steps={t.steps}, {K // t.tile_k} K steps, chain={t.chain})")
+    if t.lhs not in LHS_LOADS:
+        return f"lhs={t.lhs!r} (use one of {LHS_LOADS})"
     bad = set(filter(None, t.probe.split(","))) - set(PROBES)
     if bad:
         return f"unknown probes {sorted(bad)} (use {PROBES})"
@@ -162,6 +170,7 @@ def applies(O: int, K: int, bm: int, codes_dtype, x_dtype, tiles: Tiles | None =
 
 
 PROBES = ("const_lhs", "one_expert", "no_store")
+LHS_LOADS = ("", "8bit", "16bit")
 
 
 def launch_tiles(proj: str, O: int, K: int, bm: int, codes_dtype, x_dtype, kblocked: bool = False) -> Tiles | None:
@@ -329,6 +338,19 @@ def _codes_ref(ref, e, mi, cta_m: int, layout: str):
     return ref.at[e, pl.ds(mi * cta_m, cta_m), :]
 
 
+def _load_codes(ref, how: str, interpret: bool):
+    """A warpgroup's [tile_m, tile_k] int8 codes as bf16 in the WGMMA register layout (``Tiles.lhs``;
+    the interpreter has no register layouts: a plain load there)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not how or interpret:
+        return ref[...].astype(BF16)
+    q = plgpu.load(ref, (), layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    if how == "8bit":
+        return plgpu.layout_cast(q, plgpu.Layout.WGMMA).astype(BF16)
+    return plgpu.layout_cast(q.astype(BF16), plgpu.Layout.WGMMA)
+
+
 def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sms: int, interpret: bool, glu=None,
           x_rows: bool = False, out_rows: bool = False):
     """The kernel. ``weights``: [(codes, scale bytes as ``scale_t``)], or two of them (w1, w3) with
@@ -461,7 +483,7 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                             const = plgpu.layout_cast(jnp.full((tm, QBLOCK), 1.0, BF16), plgpu.Layout.WGMMA)
                             lhs += [(w, c, const) for c in range(chunks)]
                             continue
-                        a = smem[2 * w][rows].astype(BF16)
+                        a = _load_codes(smem[2 * w].at[rows], tiles.lhs, interpret)
                         for c in range(chunks):
                             scale = lax.broadcast_in_dim(_scale_rows(smem[2 * w + 1][c, rows], mult),
                                                          (tm, QBLOCK), (0,))

@@ -619,22 +619,38 @@ def _chunk_program(bg_ref, x_ref, c_ref, s_ref, *, live, j, o0, kbase, kr, omask
     def _compute():
         g = bg_ref[j]
 
+        def codes(c):
+            return lax.bitcast_convert_type(c, codes_dtype) if c.dtype != codes_dtype else c
+
+        def slab_sums(k0):
+            """K-blocked codes: the step's [tm, bo] partial sums as one dot per 64-input block,
+            each block's [bo, 64] codes read as they lie (one contiguous piece; no transpose of
+            the step's tile in registers) against its two rows of the block-diagonal tile."""
+            kcol64 = lax.broadcasted_iota(jnp.int32, (1, KBLOCK), 1)
+            row = lax.broadcasted_iota(jnp.int32, (tm, KBLOCK), 0)
+            p = jnp.zeros((tm, bo), F32)
+            for i in range(bk // KBLOCK):
+                ki = k0 + i * KBLOCK
+                kin = (ki + kcol64 < kend) if tail else True
+                c = codes(_load_or(c_ref.at[g, ki // KBLOCK, pl.ds(o0, bo), :], omask & kin))   # [bo, 64]
+                xr = _load_or(x_ref.at[pl.ds(j, 1), pl.ds(ki, KBLOCK)], kin)                    # [1, 64]
+                sel_i = (i * KBLOCK + lax.broadcasted_iota(jnp.int32, (tm, KBLOCK), 1)) // QBLOCK == row
+                xb = jnp.where(sel_i, xr, jnp.zeros((), xr.dtype))
+                p = p + lax.dot_general(xb.astype(cd), c.astype(cd), dims, precision=prec,
+                                        preferred_element_type=F32)
+            return p
+
         def step(kk, acc):
             k0 = pl.multiple_of(kbase + kk * bk, QBLOCK)
-            kin = (k0 + kcol < kend) if tail else True                   # [1, bk] inputs of this range
-            if kblocked:  # [bk / 64, bo, 64] from K block k0 / 64 (k0: a multiple of 64), transposed
-                nkk = bk // KBLOCK
-                kin3 = kin.reshape(nkk, 1, KBLOCK) if tail else True
-                c = _load_or(c_ref.at[g, pl.ds(k0 // KBLOCK, nkk), pl.ds(o0, bo), :], omask[None] & kin3)
-                c = jnp.swapaxes(c, 0, 1).reshape(bo, bk)
+            if kblocked:  # (k0: a multiple of 64)
+                p = slab_sums(pl.multiple_of(k0, KBLOCK))
             else:
-                c = _load_or(c_ref.at[g, pl.ds(o0, bo), pl.ds(k0, bk)], omask & kin)      # [bo, bk] codes
-            if c.dtype != codes_dtype:
-                c = lax.bitcast_convert_type(c, codes_dtype)
-            xr = _load_or(x_ref.at[pl.ds(j, 1), pl.ds(k0, bk)], kin)                     # [1, bk]
-            xb = jnp.where(sel, xr, jnp.zeros((), xr.dtype))                              # [tm, bk] block-diagonal
-            p = lax.dot_general(xb.astype(cd), c.astype(cd), dims, precision=prec,
-                                preferred_element_type=F32)                               # [tm, bo] partial sums
+                kin = (k0 + kcol < kend) if tail else True                   # [1, bk] inputs of this range
+                c = codes(_load_or(c_ref.at[g, pl.ds(o0, bo), pl.ds(k0, bk)], omask & kin))  # [bo, bk] codes
+                xr = _load_or(x_ref.at[pl.ds(j, 1), pl.ds(k0, bk)], kin)                     # [1, bk]
+                xb = jnp.where(sel, xr, jnp.zeros((), xr.dtype))                              # [tm, bk] block-diagonal
+                p = lax.dot_general(xb.astype(cd), c.astype(cd), dims, precision=prec,
+                                    preferred_element_type=F32)                               # [tm, bo] partial sums
             b0 = k0 // QBLOCK
             sb = _load_or(s_ref.at[g, pl.ds(o0, bo), pl.ds(b0, tm)], (omask & (b0 + scol < kend // QBLOCK)) if tail
                           else omask)
