@@ -103,7 +103,10 @@ def dequantize(codes, scale, dtype, mult: float | None = None):
 # K-blocked, ``[G, K // KBLOCK, O, KBLOCK]`` (``kblock``): the KBLOCK inputs of every output row
 # of one K block lie together, so a kernel's (output rows x KBLOCK inputs) tile is one contiguous
 # piece of memory instead of rows K bytes apart (runs 36 and 38: the Mosaic GPU prefill kernel
-# ~10% faster per launch; the model's prefill no faster, so it is opt-in). The layout is told by the number of dimensions (3 or 4).
+# ~10% faster per launch; run 40: the model's 8k prefill 1.5 ms less kernel time, but decode batch
+# 1 was 7.5% slower in run 38 through the chunk mode's register transpose, replaced since by
+# per-64 slab dots and not yet timed, so it is opt-in). The layout is told by the number of
+# dimensions (3 or 4).
 KBLOCK = 64
 
 

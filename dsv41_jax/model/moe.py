@@ -140,9 +140,10 @@ def keep_kernel_scales(model, *, force: bool = False) -> int:
     return added
 
 
-# The default stays rows until the model's prefill and decode are timed with K-blocked codes on
-# a GPU (session 27 had no device time left after checking their values: equal bit for bit);
-# the plan is to make it "auto" then (docs/status.md)
+# The default stays rows until decode is timed with K-blocked codes after session 30's change to
+# the chunk mode (run 38: batch 1 7.5% slower through a register transpose, now gone); run 40's
+# profile has the 8k prefill's kernels 1.5 ms faster with them. The plan is to make it "auto"
+# then (docs/status.md, item 0)
 DEFAULT_EXPERT_LAYOUT = "rows"
 
 
