@@ -567,11 +567,13 @@ def test_kernel_options_lower_and_reject_bad_tiles():
         f = jax.jit(lambda *a, t=tiles: MG.grouped_matmul_t(*a, bm=160, impl="mosaic", tiles=t, num_sms=132,
                                                             x_rows=True, out_rows=True))
         assert "mosaic_gpu" in f.trace(*w2_args).lower(lowering_platforms=("cuda",)).as_text(), tiles
-    kb = jax.jit(lambda x, bg, nb, c, s: MG._call(x, bg, nb, [(c, s)], bm=160, mult=1.0, tiles=MG.Tiles(tile_m=128, steps=3),
-                                                  num_sms=132, interpret=False, x_rows=True, out_rows=True))
-    assert "mosaic_gpu" in kb.trace(SD((R, 2304), BF16), SD((400,), jnp.int32), SD((1,), jnp.int32),
-                                    SD((384, 36, 5120, 64), jnp.int8), SD((384, 72, 5120), jnp.uint8)).lower(
-        lowering_platforms=("cuda",)).as_text()
+    for lhs in ("", "8bit"):  # (K-blocked codes, also with the four-byte code loads)
+        kb = jax.jit(lambda x, bg, nb, c, s, lhs=lhs: MG._call(
+            x, bg, nb, [(c, s)], bm=160, mult=1.0, tiles=MG.Tiles(tile_m=128, steps=3, lhs=lhs), num_sms=132,
+            interpret=False, x_rows=True, out_rows=True))
+        assert "mosaic_gpu" in kb.trace(SD((R, 2304), BF16), SD((400,), jnp.int32), SD((1,), jnp.int32),
+                                        SD((384, 36, 5120, 64), jnp.int8), SD((384, 72, 5120), jnp.uint8)).lower(
+            lowering_platforms=("cuda",)).as_text()
     assert "dividing the 80 K steps" in MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(steps=3, chain=True))
     assert "cluster=3" in MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(cluster=3))
     assert "cluster=2" in MG.applies(2304 - 128, 5120, 160, jnp.int8, BF16, MG.Tiles(cluster=2))
