@@ -337,7 +337,16 @@ MGPU_VARIANTS = (("w1", "triton"), ("w1", {}), ("w1", dict(steps=3)), ("w1", dic
                  # (67-) the same loads on K-blocked codes (the committed K-blocked tiles)
                  ("glu", dict(x_rows=True, out_rows=True, steps=3, tiled="kblocked", lhs="8bit")),
                  ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, tiled="kblocked", lhs="8bit")),
-                 ("glu", dict(x_rows=True, out_rows=True, steps=3, tiled="kblocked", lhs="16bit")))
+                 ("glu", dict(x_rows=True, out_rows=True, steps=3, tiled="kblocked", lhs="16bit")),
+                 # (70-) session 31: a block's last 32 token columns computed only where the block
+                 # has rows there (``Tiles.tail``; this sweep's uniform routing puts ~128 +- 11 pairs
+                 # in each 160-row block), on K-blocked codes, then on rows, then with the 8bit loads
+                 ("glu", dict(x_rows=True, out_rows=True, steps=3, tiled="kblocked", tail=32)),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, tiled="kblocked", tail=32)),
+                 ("glu", dict(x_rows=True, out_rows=True, tail=32)),
+                 ("w2", dict(x_rows=True, out_rows=True, tile_m=128, steps=3, tail=32)),
+                 ("glu", dict(x_rows=True, out_rows=True, steps=3, tiled="kblocked", tail=32, lhs="8bit")),
+                 ("glu", dict(x_rows=True, out_rows=True, steps=4, tiled="kblocked", tail=32)))
 
 
 def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int = 5120, Ii: int = 2304,
@@ -364,6 +373,7 @@ def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int
     x = {"w1": gather_rows(xtok, row_token), "w2": jax.random.normal(k2, (NC * c, Ii), jnp.float32).astype(BF16)}
     x["glu"] = x["w1"]
     pairs = np.asarray(row_token >= 0)
+    brows = jnp.sum((row_token >= 0).reshape(-1, c), axis=1, dtype=jnp.int32)  # (``Tiles.tail``)
     ref = {}
     for proj, tiles in MGPU_VARIANTS:
         try:
@@ -403,7 +413,8 @@ def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int
                         return MG._call(a, blocks.astype(jnp.int32), jnp.reshape(n_used, (1,)).astype(jnp.int32),
                                         list(wts), bm=c, mult=Q.default_mult(jnp.int8), tiles=tl,
                                         num_sms=sms or MG._num_sms(), interpret=impl == "interpret",
-                                        glu=(ws.astype(jnp.float32), limit) if glu else None, **lay)
+                                        glu=(ws.astype(jnp.float32), limit) if glu else None, block_rows=brows,
+                                        **lay)
                 elif proj == "glu":
                     # the scales in the kernel's layout too, as the model keeps them
                     # (``moe.keep_kernel_scales``; before session 28 these rows timed a transpose
@@ -412,7 +423,7 @@ def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int
 
                     def run(a, wts, tl=tl, lay=lay):  # the result as rows [rows, I]
                         h = MG.grouped_glu_t(a, ws, blocks, n_used, *wts, bm=c, limit=limit,
-                                             impl=impl, tiles=tl, num_sms=sms, **lay)
+                                             impl=impl, tiles=tl, num_sms=sms, block_rows=brows, **lay)
                         return h if lay["out_rows"] else h.T
                 else:
                     wts = tuple((cd, sc, MG.scale_t(sc)) for cd, sc in wts)
@@ -420,7 +431,7 @@ def part_mgpu(key, T: int = 8192, c: int = 160, k: int = 6, E: int = 384, D: int
                     def run(a, wts, tl=tl, lay=lay):  # the result as rows [rows, O]
                         (cd, sc, sk), = wts
                         y = MG.grouped_matmul_t(a, blocks, n_used, cd, sc, scale_k=sk, bm=c, impl=impl, tiles=tl,
-                                                num_sms=sms, **lay)
+                                                num_sms=sms, block_rows=brows, **lay)
                         return y if lay["out_rows"] else y.T
 
                 def fn(i, s, a, wts, run=run):

@@ -580,3 +580,72 @@ def test_kernel_options_lower_and_reject_bad_tiles():
     assert "unknown probes" in MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(probe="fast"))
     assert "lhs='4bit'" in MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(lhs="4bit"))
     assert MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(steps=5, chain=True)) is None
+
+
+@pytest.mark.timeout(600)
+def test_tail_columns_run_only_where_blocks_have_rows(monkeypatch):
+    """``Tiles.tail`` in the interpreter (64-row blocks, 32-column tail, two stages): a block with
+    rows in its tail gives the plain kernel's values bit for bit, a block without them the same
+    main columns and zeros in the tail (what its padding rows hold anyway), for the single-weight
+    launch and the fused GLU; the model's mgpu prefill with the tail equals it without, bit for
+    bit; it lowers for CUDA at V4.1-Flash shapes (K-blocked codes, rows in and out); a tail without
+    ``block_rows`` and tails the blocks cannot take: one clear error each."""
+    from test_moe_glu import int8_moe
+
+    rng = np.random.default_rng(31)
+    bm, nb = 64, 3
+    xt, bg, codes, scale = _problem(rng, G=3, O=256, K=128, blocks=4, bm=bm)
+    rows = jnp.asarray([64, 20, 33, 0], jnp.int32)  # tail rows, none, one; the unused block
+    ws = jnp.asarray(rng.uniform(0.1, 1.0, xt.shape[1]).astype(np.float32))
+    c3 = jnp.asarray(rng.integers(-12, 13, codes.shape), jnp.int8)
+    runs = {"w": functools.partial(MG.grouped_matmul_t, xt, bg, nb, codes, scale),
+            "glu": functools.partial(MG.grouped_glu_t, xt, ws, bg, nb, (codes, scale), (c3, scale), limit=10.0)}
+    for name, run in runs.items():
+        kw = dict(bm=bm, impl="interpret", num_sms=2)
+        base = np.asarray(run(tiles=MG.Tiles(steps=2), **kw), np.float32)
+        got = np.asarray(run(tiles=MG.Tiles(steps=2, tail=32), block_rows=rows, **kw), np.float32)
+        for j in range(nb):
+            main, tail = slice(j * bm, j * bm + 32), slice(j * bm + 32, (j + 1) * bm)
+            np.testing.assert_array_equal(got[:, main], base[:, main], err_msg=f"{name} block {j}")
+            want = base[:, tail] if int(rows[j]) > 32 else np.zeros_like(base[:, tail])
+            np.testing.assert_array_equal(got[:, tail], want, err_msg=f"{name} block {j} tail")
+        assert np.abs(base[:, 32:64]).max() > 0  # (the skipped tail is not zero without the option)
+        with pytest.raises(ValueError, match="needs block_rows"):
+            run(tiles=MG.Tiles(steps=2, tail=32), **kw)
+    # the model: mgpu prefill (w1, w3, w2 launches in the interpreter) on 64-row blocks
+    monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
+    monkeypatch.setenv("DSV41_MGPU_IMPL", "interpret")
+    monkeypatch.setenv("DSV41_MOE_CHUNK", "64")
+    monkeypatch.setenv("DSV41_MOE_PREFILL", "mgpu")
+    tails = []
+    real = MG._call
+    monkeypatch.setattr(MG, "_call", lambda *a, tiles, **kw: tails.append(tiles.tail) or real(
+        *a, tiles=dataclasses.replace(tiles, steps=2), **dict(kw, num_sms=2)))
+    moe, rng = int8_moe("bfloat16-reference", 3, hidden_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=128)
+    x = jnp.asarray(rng.standard_normal((256, 128)), BF16)  # ~64 pairs per expert: one or two blocks
+    w, ids = moe.gate(x)
+    plain = np.asarray(jax.jit(moe.routed_pallas)(x, w, ids), np.float32)
+    monkeypatch.setenv("DSV41_MGPU_TILES", '{"tail": 32}')
+    got = np.asarray(jax.jit(moe.routed_pallas)(x, w, ids), np.float32)
+    assert tails == [0, 0, 0, 32, 32, 32]
+    np.testing.assert_array_equal(got, plain)
+    counts = np.bincount(np.asarray(ids).ravel(), minlength=8)
+    assert (counts % 64 <= 32).any() and (counts % 64 > 32).any(), counts  # both kinds of blocks ran
+    # CUDA lowering at V4.1-Flash shapes, K-blocked codes
+    SD = jax.ShapeDtypeStruct
+    R = 160 * 400
+    w13 = (SD((384, 80, 2304, 64), jnp.int8), SD((384, 2304, 160), jnp.uint8))
+    g = jax.jit(lambda *a: MG.grouped_glu_t(*a[:4], (a[4], a[5]), (a[6], a[7]), bm=160, limit=10.0, impl="mosaic",
+                                            num_sms=132, x_rows=True, out_rows=True, block_rows=a[8],
+                                            tiles=MG.Tiles(steps=3, tail=32)))
+    assert "mosaic_gpu" in g.trace(SD((R, 5120), BF16), SD((R,), F32), SD((400,), jnp.int32), SD((), jnp.int32),
+                                   *w13, *w13, SD((400,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    f = jax.jit(lambda *a: MG.grouped_matmul_t(*a[:5], bm=160, impl="mosaic", num_sms=132, x_rows=True, out_rows=True,
+                                               tiles=dataclasses.replace(MG.W2_TILES, tail=32), block_rows=a[5]))
+    assert "mosaic_gpu" in f.trace(SD((R, 2304), BF16), SD((400,), jnp.int32), SD((), jnp.int32),
+                                   SD((384, 36, 5120, 64), jnp.int8), SD((384, 5120, 72), jnp.uint8),
+                                   SD((400,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    for bad in (MG.Tiles(tail=16), MG.Tiles(tail=160), MG.Tiles(steps=2, tail=32, stage=True)):
+        assert "tail=" in MG.applies(2304, 5120, 160, jnp.int8, BF16, bad), bad
+    assert MG.applies(2304, 5120, 160, jnp.int8, BF16, MG.Tiles(tail=32)) is None

@@ -82,6 +82,11 @@ class Tiles:
     # and one permute per four codes, then converted); "16bit" (loaded and converted in the
     # 2x-upcast layout, the bf16 values moved to the WGMMA layout)
     lhs: str = ""
+    # ``tail``: the last ``tail`` token columns of a row block get their own accumulators, and
+    # their MMAs are issued only where the block has rows there (``block_rows``): an 8k prefill's
+    # 160-row blocks hold ~128 pairs each, so most blocks skip a fifth of the MMA work. Skipped
+    # columns are stored as zeros (the padding rows' values anyway: zero tokens, route weight 0)
+    tail: int = 0
     # diagnostics for ``sweep_prefill.py`` only, comma-separated; every one of them gives wrong
     # values: ``const_lhs`` (a constant left operand: no shared-memory read or dequantization of
     # the weights), ``one_expert`` (every block multiplies expert 0, whose weights stay in L2),
@@ -161,6 +166,8 @@ def applies(O: int, K: int, bm: int, codes_dtype, x_dtype, tiles: Tiles | None =
     if t.stage and (t.chain or t.steps < 2 or K // t.tile_k < 2):
         return (f"staged operands (released one step late) need steps >= 2 and two K steps, "
                 f"and no chain (got steps={t.steps}, {K // t.tile_k} K steps, chain={t.chain})")
+    if t.tail and (t.tail % 32 or not 0 < t.tail < bm or t.stage):
+        return f"tail={t.tail} for {bm}-row blocks (a multiple of 32 below the block, not staged: stage={t.stage})"
     if t.lhs not in LHS_LOADS:
         return f"lhs={t.lhs!r} (use one of {LHS_LOADS})"
     bad = set(filter(None, t.probe.split(","))) - set(PROBES)
@@ -245,12 +252,15 @@ def _num_sms() -> int:
 
 def grouped_matmul_t(xt, block_group, n_blocks, codes, scale, *, bm: int, out_dtype=BF16, mult: float | None = None,
                      impl: str = "auto", tiles: Tiles | None = None, num_sms: int | None = None,
-                     x_rows: bool = False, out_rows: bool = False, scale_k=None):
+                     x_rows: bool = False, out_rows: bool = False, scale_k=None, block_rows=None):
     """``xt`` [K, R] (bf16) times the int8 expert ``block_group[j]`` of ``codes`` [E, O, K] / ``scale``
     [E, O, K // 32] for every ``bm``-column block ``j < n_blocks``: [O, R] in ``out_dtype``.
     ``x_rows``: ``xt`` is given as rows, [R, K]; ``out_rows``: the result as rows, [R, O] (the
     kernel reads / stores its tiles transposed: no transpose in XLA). ``scale_k``: ``scale`` in
-    the kernel's layout [E, K // 32, O] if the caller keeps it (else transposed here per call)."""
+    the kernel's layout [E, K // 32, O] if the caller keeps it (else transposed here per call).
+    ``block_rows`` [n blocks] int32: how many leading columns of each block hold rows (needed by
+    ``Tiles.tail``: a block's tail columns are computed only where it has rows there, else stored
+    as zeros; the XLA form computes every column)."""
     codes, scale = _grouped(codes, scale)
     K, R = xt.shape[::-1] if x_rows else xt.shape
     _check(jax.ShapeDtypeStruct((R, K), xt.dtype), block_group, codes, scale, bm)
@@ -269,8 +279,19 @@ def grouped_matmul_t(xt, block_group, n_blocks, codes, scale, *, bm: int, out_dt
     nb = jnp.reshape(jnp.asarray(n_blocks, jnp.int32), (1,))
     xt, x_rows = _interpreter_layout(xt, x_rows, impl)
     return _call(xt, block_group.astype(jnp.int32), nb, [(codes, _kernel_scale(scale, scale_k))], bm=bm, mult=mult,
-                 tiles=tiles,
+                 tiles=tiles, block_rows=_block_rows(block_rows, block_group, tiles, "grouped_matmul_t"),
                  num_sms=num_sms or _num_sms(), interpret=impl == "interpret", x_rows=x_rows, out_rows=out_rows)
+
+
+def _block_rows(block_rows, block_group, tiles: Tiles, who: str):
+    """``block_rows`` as the kernel's int32 operand where ``tiles.tail`` uses it (else None)."""
+    if not tiles.tail:
+        return None
+    if block_rows is None:
+        raise ValueError(f"{who}: tiles.tail={tiles.tail} needs block_rows (the rows each block holds)")
+    if tuple(block_rows.shape) != tuple(block_group.shape):
+        raise ValueError(f"{who}: block_rows {tuple(block_rows.shape)} for {tuple(block_group.shape)} blocks")
+    return block_rows.astype(jnp.int32)
 
 
 def _interpreter_layout(xt, x_rows: bool, impl: str):
@@ -283,7 +304,7 @@ def _interpreter_layout(xt, x_rows: bool, impl: str):
 
 def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: float, impl: str = "auto",
                   tiles: Tiles | None = None, num_sms: int | None = None, x_rows: bool = False,
-                  out_rows: bool = False):
+                  out_rows: bool = False, block_rows=None):
     """w1 and w3 in one launch with the SwiGLU in the epilogue: ``dt(ws * swiglu(dt(g), dt(u), limit))``
     [I, R] for ``g``, ``u`` = :func:`grouped_matmul_t` of ``w1`` / ``w3`` ((codes, scale) pairs) and
     ``ws`` [R] the route weight of each column (0 for padding columns). The compute warpgroups hold
@@ -291,7 +312,7 @@ def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: floa
     memory. XLA form: the two products and ``model.moe.swiglu``. ``x_rows`` / ``out_rows``: ``xt``
     given as rows [R, K] / the result as rows [R, I] (as :func:`grouped_matmul_t`). ``w1`` / ``w3``
     may carry a third item, their scales in the kernel's layout (``scale_k`` of
-    :func:`grouped_matmul_t`; None: transposed here).
+    :func:`grouped_matmul_t`; None: transposed here). ``block_rows``: as :func:`grouped_matmul_t`'s.
 
     Checked in the interpreter with two stages and 32-token blocks only: JAX 0.10.2's Mosaic GPU
     interpreter deadlocks on this five-operand pipeline from three stages on (K steps at least as
@@ -324,7 +345,7 @@ def grouped_glu_t(xt, ws, block_group, n_blocks, w1, w3, *, bm: int, limit: floa
                  bm=bm,
                  mult=default_mult(c1.dtype), tiles=tiles, num_sms=num_sms or _num_sms(),
                  interpret=impl == "interpret", glu=(ws.astype(F32), float(limit)), x_rows=x_rows,
-                 out_rows=out_rows)
+                 out_rows=out_rows, block_rows=_block_rows(block_rows, block_group, tiles, "grouped_glu_t"))
 
 
 def _codes_ref(ref, e, mi, cta_m: int, layout: str):
@@ -352,10 +373,11 @@ def _load_codes(ref, how: str, interpret: bool):
 
 
 def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sms: int, interpret: bool, glu=None,
-          x_rows: bool = False, out_rows: bool = False):
+          x_rows: bool = False, out_rows: bool = False, block_rows=None):
     """The kernel. ``weights``: [(codes, scale bytes as ``scale_t``)], or two of them (w1, w3) with
     ``glu`` = (route weights [R] fp32, swiglu limit): then each compute warpgroup keeps both
-    accumulators and its epilogue writes ``dt(w * swiglu(dt(g), dt(u)))``."""
+    accumulators and its epilogue writes ``dt(w * swiglu(dt(g), dt(u)))``. ``block_rows``: the
+    rows of each block (``Tiles.tail``)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -374,7 +396,10 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
     cl = tiles.cluster
     m_iters = O // (cl * cta_m)  # row tiles of a block per CTA (pair)
     chunks = tk // QBLOCK
-    epi = 64 if bm % 64 == 0 else 32  # epilogue tile width (tokens)
+    tail = tiles.tail
+    nm = bm - tail  # the columns every block computes; the tail's only where the block has rows there
+    parts = [(0, nm)] + ([(nm, tail)] if tail else [])
+    epi = 64 if nm % 64 == 0 and tail % 64 == 0 else 32  # epilogue tile width (tokens)
     probes = set(filter(None, tiles.probe.split(",")))
 
     def tr(swizzle, itemsize):
@@ -400,6 +425,7 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
         specs.append(spec((tk, bm), lambda k: (k, 0), transforms=b_tr, **multicast))
 
     def kernel(bg_gmem, nb_gmem, *refs, out_smem, lhs_smem, ws_smem=None, ws_bar=None):
+        rows_gmem, refs = (refs[0], refs[1:]) if tail else (None, refs)
         ws_gmem, refs = (refs[0], refs[1:]) if glu is not None else (None, refs)
         w_gmem, b_gmem, out_gmem = refs[:2 * nw], refs[2 * nw], refs[2 * nw + 1]
 
@@ -431,10 +457,10 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                 e = jnp.int32(0) if "one_expert" in probes else bg_gmem[blk]
                 m_sl = pl.ds(mi * cta_m, cta_m)
                 n_sl = pl.ds(blk * bm, bm)
+                has_tail = rows_gmem[blk] > nm if tail else None
 
-                def result(accs):
-                    if stage:  # (the last step's wait is inside a branch; the reads need one here)
-                        plgpu.wgmma_wait(0)
+                def result(accs, c0: int, n: int):
+                    """Columns [c0, c0 + n) of the block from their accumulators ``accs``."""
                     if glu is None:
                         return accs[0][...].astype(BF16)
                     g, u = (a[...].astype(BF16).astype(F32) for a in accs)
@@ -442,31 +468,40 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                     if limit > 0:
                         u = jnp.clip(u, -limit, limit)
                         g = jnp.minimum(g, limit)
-                    plgpu.barrier_wait(ws_bar.at[wg])
-                    wcol = lax.broadcast_in_dim(ws_smem[wg], (tm, bm), (1,))
+                    w = ws_smem[wg] if n == bm else ws_smem[wg, pl.ds(c0, n)]
+                    wcol = lax.broadcast_in_dim(w, (tm, n), (1,))
                     return (wcol * (g / (1.0 + jnp.exp(-g))) * u).astype(BF16)
 
                 def context(run):
-                    @functools.partial(pl.run_scoped, accs=[plgpu.ACC((tm, bm), F32) for _ in range(nw)])
+                    # per part (all columns, or the main columns and the tail), an accumulator per weight
+                    shapes = [(tm, n) for _, n in parts for _ in range(nw)]
+
+                    @functools.partial(pl.run_scoped, accs=[plgpu.ACC(sh, F32) for sh in shapes])
                     def _acc(accs):
                         if glu is not None:  # this block's route weights, for the epilogue
                             plgpu.copy_gmem_to_smem(ws_gmem.at[n_sl], ws_smem.at[wg], ws_bar.at[wg])
                         run(tuple(accs))
-                        y = result(accs)
+                        if stage:  # (the last step's wait is inside a branch; the reads need one here)
+                            plgpu.wgmma_wait(0)
+                        if glu is not None:
+                            plgpu.barrier_wait(ws_bar.at[wg])
+                        ys = [(c0, result(accs[p * nw:(p + 1) * nw], c0, n)) for p, (c0, n) in enumerate(parts)]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for i in range(bm // epi):
-                            cols = slice(i * epi, (i + 1) * epi)
+                        chunks_out = [(c0 + j * epi, y[:, j * epi:(j + 1) * epi]) for c0, y in ys
+                                      for j in range(y.shape[1] // epi)]
+                        for i, (col, yc) in enumerate(chunks_out):
+                            cols = slice(col, col + epi)
                             slot = i % 2
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                             if out_rows:  # the tile stored transposed: [tokens, out] in shared memory
                                 if interpret:  # (no transposed views, no register layouts there)
-                                    out_smem[wg, slot] = y[:, cols].T
+                                    out_smem[wg, slot] = yc.T
                                 else:  # a register relayout, then a store through a transposed view
-                                    yt = plgpu.layout_cast(y[:, cols], plgpu.Layout.WGMMA_TRANSPOSED)
+                                    yt = plgpu.layout_cast(yc, plgpu.Layout.WGMMA_TRANSPOSED)
                                     plgpu.transpose_ref(out_smem.at[wg, slot], (1, 0))[...] = yt
                                 dst = out_gmem.at[n_sl, m_sl].at[cols, rows]
                             else:
-                                out_smem[wg, slot] = y[:, cols]
+                                out_smem[wg, slot] = yc
                                 dst = out_gmem.at[m_sl, n_sl].at[rows].at[:, cols]
                             plgpu.commit_smem()
                             if "no_store" not in probes:
@@ -488,10 +523,26 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                             scale = lax.broadcast_in_dim(_scale_rows(smem[2 * w + 1][c, rows], mult),
                                                          (tm, QBLOCK), (0,))
                             lhs.append((w, c, a[:, c * QBLOCK:(c + 1) * QBLOCK] * scale))
-                    def rhs(c):
+                    def rhs(c, c0: int = 0, n: int = bm):
+                        """Input chunk ``c`` of the token tile, columns [c0, c0 + n)."""
                         if x_rows:
-                            return plgpu.transpose_ref(b_smem.at[:, pl.ds(c * QBLOCK, QBLOCK)], (1, 0))
-                        return b_smem.at[pl.ds(c * QBLOCK, QBLOCK)]
+                            toks = slice(None) if n == bm else pl.ds(c0, n)
+                            return plgpu.transpose_ref(b_smem.at[toks, pl.ds(c * QBLOCK, QBLOCK)], (1, 0))
+                        if n == bm:
+                            return b_smem.at[pl.ds(c * QBLOCK, QBLOCK)]
+                        return b_smem.at[pl.ds(c * QBLOCK, QBLOCK), pl.ds(c0, n)]
+
+                    def mma(w, c, op):
+                        """Chunk ``c`` of weight ``w``'s MMAs: every column, or the main columns and,
+                        where the block has rows there, the tail's."""
+                        if not tail:
+                            plgpu.wgmma(accs[w], op, rhs(c))
+                            return
+                        plgpu.wgmma(accs[w], op, rhs(c, 0, nm))
+
+                        @pl.when(has_tail)
+                        def _tail():
+                            plgpu.wgmma(accs[nw + w], op, rhs(c, nm, tail))
 
                     if stage:
                         # this step's operands into its half of the buffer (the half whose MMAs,
@@ -517,7 +568,7 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                             lhs_smem[wg, 0, 0] = op
                             plgpu.commit_smem()
                             op = lhs_smem.at[wg, 0, 0]
-                        plgpu.wgmma(accs[w], op, rhs(c))
+                        mma(w, c, op)
                         if interpret:
                             plgpu.wgmma_wait(0)
                     plgpu.wgmma_wait(0)
@@ -553,6 +604,8 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
         from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
         extra["interpret"] = interpret_params.InterpretGPUParams()
+    if tail and block_rows is None:
+        raise ValueError(f"moe_mgpu: tiles.tail={tail} needs block_rows")
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((R, O) if out_rows else (O, R), BF16), grid=(num_sms // cl,),
         grid_names=("sm",), **(dict(cluster=(cl,), cluster_names=("cluster",)) if cl > 1 else {}),
@@ -566,4 +619,4 @@ def _call(xt, block_group, nb, weights, *, bm, mult: float, tiles: Tiles, num_sm
                                                           ws_bar=plgpu.Barrier(num_barriers=2)))),
         **extra)
     flat = [a for cw in weights for a in cw]
-    return f(block_group, nb, *(() if glu is None else (glu[0],)), *flat, xt)
+    return f(block_group, nb, *(() if not tail else (block_rows,)), *(() if glu is None else (glu[0],)), *flat, xt)

@@ -59,6 +59,12 @@ def pallas_chunk(n_pairs: int, n_experts: int) -> int:
     return p + tail
 
 
+def _block_rows(row_token, c: int):
+    """The rows each ``c``-row block of ``MoE._rows``' layout holds (a prefix of the block): what
+    ``kernels.moe_mgpu``'s ``Tiles.tail`` reads to skip the MMAs of a block's empty tail."""
+    return jnp.sum((row_token >= 0).reshape(-1, c), axis=1, dtype=jnp.int32)
+
+
 def split_tail() -> str:
     """``DSV41_MOE_SPLIT_TAIL`` (read at trace time): "both" (default), "glu" or "0": a prefill's
     expert blocks whose pairs fit the main row tile (160 = 128 + 32: an expert with <= 128 pairs)
@@ -611,7 +617,7 @@ class MoE(nnx.Module):
             h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
             ha, cd2 = self._aq(h)
         if mgpu == "mgpu-w2":  # the Mosaic GPU w2 on h's rows (unwritten rows stay unread by the combine)
-            return self._mgpu_w2(ha.astype(cd2), blocks, n_used, row_of_pair, c, T, k)
+            return self._mgpu_w2(ha.astype(cd2), blocks, n_used, row_of_pair, c, T, k, _block_rows(row_token, c))
         # combine_pairs reads the rows of pairs only: unused blocks (and split-off tail rows) of y
         # stay unwritten
         (y,), _ = qmm(ha.astype(cd2), blocks, n_used, (ex.w2,), c, dead_zeros=False, split_tail=sel)
@@ -641,14 +647,15 @@ class MoE(nnx.Module):
         _, O, K = p.shape
         return launch_tiles(proj, O, K, c, p.weight.dtype, cd, kblocked=p.kblocked)
 
-    def _mgpu_w2(self, h, blocks, n_used, row_of_pair, c: int, T: int, k: int):
+    def _mgpu_w2(self, h, blocks, n_used, row_of_pair, c: int, T: int, k: int, block_rows=None):
         """w2 (``kernels.moe_mgpu``, rows in and out) on the block layout ``h`` [rows, I], then each
-        token's k expert outputs summed in fp32, slot order: [T, D]."""
+        token's k expert outputs summed in fp32, slot order: [T, D]. ``block_rows``: the rows each
+        block holds (for ``Tiles.tail``)."""
         from dsv41_jax.kernels.moe_mgpu import grouped_matmul_t
 
         codes, scale, sk = mgpu_weight(self.experts.w2)
         y = grouped_matmul_t(h, blocks, n_used, codes, scale, bm=c, out_dtype=self.numerics.dtype, scale_k=sk,
-                             x_rows=True, out_rows=True, tiles=self._mgpu_tiles("w2", c))
+                             x_rows=True, out_rows=True, tiles=self._mgpu_tiles("w2", c), block_rows=block_rows)
         return combine_pairs(y, row_of_pair, T, k)
 
     def routed_mgpu(self, xa, w, ids, c: int):
@@ -665,25 +672,28 @@ class MoE(nnx.Module):
         ex = self.experts
         T, k = ids.shape
         row_token, ws, row_of_pair, _, blocks, n_used = self._rows(w, ids, c)
+        block_rows = _block_rows(row_token, c)
         # [rows, D] (the kernel reads its token tiles as rows); on the GPU only the used blocks'
         # rows are written, the kernels read no other
         xs = gather_used_rows(xa, row_token, n_used, bm=c, impl="auto" if gather_kernel() else "xla")
         # h [rows, I] (the kernel stores its tiles transposed); rows of unused blocks are not written
         if prefill_mode() == "mgpu-glu":
             h = grouped_glu_t(xs, ws, blocks, n_used, mgpu_weight(ex.w1), mgpu_weight(ex.w3), bm=c,
-                              limit=self.limit, x_rows=True, out_rows=True, tiles=self._mgpu_tiles("glu", c))
+                              limit=self.limit, x_rows=True, out_rows=True, tiles=self._mgpu_tiles("glu", c),
+                              block_rows=block_rows)
         else:
             def one(p):
                 codes, scale, sk = mgpu_weight(getattr(ex, p))
                 return grouped_matmul_t(xs, blocks, n_used, codes, scale, bm=c, out_dtype=dt, scale_k=sk,
-                                        x_rows=True, out_rows=True, tiles=self._mgpu_tiles(p, c))
+                                        x_rows=True, out_rows=True, tiles=self._mgpu_tiles(p, c),
+                                        block_rows=block_rows)
 
             g, u = one("w1"), one("w3")
             h = (ws[:, None] * swiglu(g, u, self.limit)).astype(dt)
         # reference numerics: the fp8 quantization of the rows the w2 launch reads (in place)
         hq = quant_used_rows(h, n_used, bm=c) if self._quantizes() and hquant_kernel() else None
         ha, cd2 = self._aq(h, xq=hq)
-        return self._mgpu_w2(ha.astype(cd2), blocks, n_used, row_of_pair, c, T, k)
+        return self._mgpu_w2(ha.astype(cd2), blocks, n_used, row_of_pair, c, T, k, block_rows)
 
     def routed_pallas_with_shared(self, x, w, ids, xq=None):
         """Decode (fewer pairs than experts) with the shared expert's fp8 projections in the routed
