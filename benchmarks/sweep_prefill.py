@@ -525,7 +525,9 @@ def part_mhc(key, S: int = 8192, K: int = 4 * 5120, O: int = 24):
 
 # run 26 (calls 2-3) measured these and more around the default (docs/performance.md)
 ATTN_TILES = ({}, dict(max_bk=32, max_warps=8), dict(max_bk=128), dict(max_stages=3), dict(max_warps=8),
-              dict(online=True), dict(online=True, bk=64), dict(online=True, num_stages=3))
+              dict(online=True), dict(online=True, bk=64), dict(online=True, num_stages=3),
+              # (8-) session 31: the max and the sum reduced once per row at the end (``lazy``)
+              dict(lazy=True), dict(lazy=True, max_bk=128), dict(lazy=True, num_stages=3))
 
 
 def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: int = 512, block: int = 256,
@@ -592,6 +594,8 @@ def main():
                     help="indexer, moe, moedq, mhc, attn, glu, topk, mgpu (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--mgpu-rows", default="", help="indices into MGPU_VARIANTS to run (default: all)")
+    ap.add_argument("--attn-rows", default="", help="indices into ATTN_TILES to run (default: all)")
+    ap.add_argument("--attn-ratios", default="2,1,0", help="compression ratios of the attn part (0: window only)")
     a = ap.parse_args()
     emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
     key = jax.random.key(0)
@@ -619,6 +623,10 @@ def main():
                  "mgpu": lambda k: part_mgpu(k, T=48, c=32, k=2, E=4, D=256, Ii=128)}
     if a.mgpu_rows:
         MGPU_VARIANTS = tuple(MGPU_VARIANTS[int(i)] for i in a.mgpu_rows.split(","))
+    if a.attn_rows:
+        ATTN_TILES = tuple(ATTN_TILES[int(i)] for i in a.attn_rows.split(","))
+    if not a.smoke:
+        parts["attn"] = functools.partial(part_attn, ratios=tuple(int(r) for r in a.attn_ratios.split(",")))
     for part in a.part.split(","):
         parts[part](key)
 

@@ -68,6 +68,11 @@ def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
     same = [np.asarray(sparse_attn_prefill(*args, **tiles, max_bk=b), np.float32) for b in (16, 32, None)]
     np.testing.assert_array_equal(same[0], same[1])
     np.testing.assert_array_equal(same[0], same[2])
+    # ``lazy``: the maximum and the sum as per-lane partials reduced once per row: the same rounding
+    # points (the maximum exact), another fp32 summation order of the sum
+    lazy = np.asarray(sparse_attn_prefill(*args, **tiles, lazy=True), np.float32)
+    np.testing.assert_allclose(lazy, want, rtol=2 ** -7, atol=1e-6)
+    assert np.mean(lazy == same[0]) > 0.99
     # the online form (one launch, running maximum): p rounded to bf16 against the maximum so far,
     # so bf16 roundings of p move; within a few bf16 ulps of the output's scale
     online = np.asarray(sparse_attn_prefill(*args, **tiles, online=True), np.float32)

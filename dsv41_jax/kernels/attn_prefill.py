@@ -67,8 +67,12 @@ DEFAULT = "1"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch
 # reference's rounding points; an opt-in) on its own key tiles ``online_bk``: 3.6 ms with 64 keys,
 # 4.5 with 32 (run 28). ``DSV41_ATTN_PREFILL_TILES`` (JSON, e.g.
 # '{"dv": 256}') overrides fields for tuning.
+# ``lazy``: the row maximum (max launch) and the probabilities' sum (output launch) kept as
+# [hb, bk] elementwise partials across key tiles and reduced across the tile once at the end,
+# instead of a cross-lane (and, on 8 warps, cross-warpgroup) reduction per tile: the same maximum,
+# another fp32 summation order for the sum.
 TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False, max_bk=64, max_warps=4,
-             max_stages=None, online=False, online_bk=64)
+             max_stages=None, online=False, online_bk=64, lazy=False)
 
 
 def _tiles() -> dict:
@@ -143,17 +147,21 @@ def _heads(q_ref, hb: int):
     return h0, hs, _load(q_ref.at[t, pl.ds(h0, hb), :], hs[:, None], 0)
 
 
-def _max_kernel(q_ref, *refs, hb: int, **geo):
+def _max_kernel(q_ref, *refs, hb: int, lazy: bool = False, **geo):
     from jax.experimental import pallas as pl
 
     m_ref = refs[-1]
     h0, hs, q = _heads(q_ref, hb)
-    m = _scan_keys(q, refs[:-1], jnp.full((hb,), -jnp.inf, F32),
-                   lambda m, lg, vals: jnp.maximum(m, jnp.max(lg, axis=1)), **geo)
+    if lazy:  # per-lane maxima across the tiles, one reduction at the end
+        m = jnp.max(_scan_keys(q, refs[:-1], jnp.full((hb, geo["bk"]), -jnp.inf, F32),
+                               lambda m, lg, vals: jnp.maximum(m, lg), **geo), axis=1)
+    else:
+        m = _scan_keys(q, refs[:-1], jnp.full((hb,), -jnp.inf, F32),
+                       lambda m, lg, vals: jnp.maximum(m, jnp.max(lg, axis=1)), **geo)
     _store(m_ref.at[pl.program_id(0), pl.ds(h0, hb)], m, hs)
 
 
-def _out_kernel(q_ref, m_ref, sink_ref, *refs, hb: int, dv: int, **geo):
+def _out_kernel(q_ref, m_ref, sink_ref, *refs, hb: int, dv: int, lazy: bool = False, **geo):
     from jax.experimental import pallas as pl
 
     o_ref = refs[-1]
@@ -165,10 +173,12 @@ def _out_kernel(q_ref, m_ref, sink_ref, *refs, hb: int, dv: int, **geo):
         acc, den = carry
         p = jnp.exp(lg - m[:, None])
         acc = acc + jnp.dot(p.astype(q.dtype), vals(), preferred_element_type=F32)
-        return acc, den + jnp.sum(p, axis=1)
+        return acc, den + (p if lazy else jnp.sum(p, axis=1))
 
-    acc, den = _scan_keys(q, refs[:-1], (jnp.zeros((hb, dv), F32), jnp.zeros((hb,), F32)), add, v0=v0, dv=dv,
-                          **geo)
+    den0 = jnp.zeros((hb, geo["bk"]) if lazy else (hb,), F32)
+    acc, den = _scan_keys(q, refs[:-1], (jnp.zeros((hb, dv), F32), den0), add, v0=v0, dv=dv, **geo)
+    if lazy:
+        den = jnp.sum(den, axis=1)
     den = den + jnp.exp(_load(sink_ref.at[pl.ds(h0, hb)], hs, 0) - m)
     _store(o_ref.at[t, pl.ds(h0, hb), pl.ds(v0, dv)], (acc / den[:, None]).astype(o_ref.dtype), hs[:, None])
 
@@ -267,9 +277,10 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
     mgeo = dict(geo, bk=tiles["max_bk"] or bk)
     mparams = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
         num_warps=tiles["max_warps"] or warps, num_stages=tiles["max_stages"] or stages))
-    m = pl.pallas_call(functools.partial(_max_kernel, hb=hb, **mgeo), out_shape=jax.ShapeDtypeStruct((T, H), F32),
+    lazy = bool(tiles["lazy"])
+    m = pl.pallas_call(functools.partial(_max_kernel, hb=hb, lazy=lazy, **mgeo), out_shape=jax.ShapeDtypeStruct((T, H), F32),
                        grid=(T, pl.cdiv(H, hb)), interpret=interpret, name="attn_prefill_max", **mparams)(qt, *ops)
-    o = pl.pallas_call(functools.partial(_out_kernel, hb=hb, dv=dv, **geo), out_shape=jax.ShapeDtypeStruct((T, H, d), dt),
+    o = pl.pallas_call(functools.partial(_out_kernel, hb=hb, dv=dv, lazy=lazy, **geo), out_shape=jax.ShapeDtypeStruct((T, H, d), dt),
                        grid=(T, pl.cdiv(H, hb), d // dv), interpret=interpret, name="attn_prefill_out",
                        **params)(qt, m, sink.astype(F32), *ops)
     return o.reshape(B, S, H, d)
