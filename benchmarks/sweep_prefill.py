@@ -527,7 +527,10 @@ def part_mhc(key, S: int = 8192, K: int = 4 * 5120, O: int = 24):
 ATTN_TILES = ({}, dict(max_bk=32, max_warps=8), dict(max_bk=128), dict(max_stages=3), dict(max_warps=8),
               dict(online=True), dict(online=True, bk=64), dict(online=True, num_stages=3),
               # (8-) session 31: the max and the sum reduced once per row at the end (``lazy``)
-              dict(lazy=True), dict(lazy=True, max_bk=128), dict(lazy=True, num_stages=3))
+              dict(lazy=True), dict(lazy=True, max_bk=128), dict(lazy=True, num_stages=3),
+              # (11-) the window loop over the live tiles' range, no branch per tile (``window_range``)
+              dict(window_range=True), dict(window_range=True, lazy=True), dict(window_range=True, num_stages=3),
+              dict(window_range=True, lazy=True, max_stages=3))
 
 
 def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: int = 512, block: int = 256,

@@ -73,11 +73,46 @@ def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
     lazy = np.asarray(sparse_attn_prefill(*args, **tiles, lazy=True), np.float32)
     np.testing.assert_allclose(lazy, want, rtol=2 ** -7, atol=1e-6)
     assert np.mean(lazy == same[0]) > 0.99
+    # ``window_range``: the window loop over the live tiles' range without a branch per tile: the
+    # same products and sums in the same order (dead tiles add exact zeros and -inf maxima)
+    ranged = np.asarray(sparse_attn_prefill(*args, **tiles, window_range=True), np.float32)
+    np.testing.assert_array_equal(ranged, same[0])
     # the online form (one launch, running maximum): p rounded to bf16 against the maximum so far,
     # so bf16 roundings of p move; within a few bf16 ulps of the output's scale
     online = np.asarray(sparse_attn_prefill(*args, **tiles, online=True), np.float32)
     assert np.abs(online - want).max() <= 2 ** -6 * np.abs(want).max()
     assert not np.allclose(online, 0)
+
+
+@pytest.mark.parametrize("window_range", [False, True])
+def test_triton_lowering_for_cuda(window_range, monkeypatch):
+    """Both launches lower to Triton for CUDA (checked without a GPU, the Triton modules captured
+    as Pallas lowers them). With ``window_range`` the window loop has dynamic bounds and no branch
+    per tile: it must stay an ``scf.for`` (a loop Triton pipelines), not become an ``scf.while``,
+    and the launches hold no ``scf.if`` (a window-only layer: the window tiles' branch is the only one)."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    modules = {}
+    real = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(jaxpr, grid_mapping, *a, **k):
+        res = real(jaxpr, grid_mapping, *a, **k)
+        modules[jaxpr.debug_info.func_name] = res.module.operation.get_asm()
+        return res
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
+    f = jax.jit(lambda *a: sparse_attn_prefill(*a, 512 ** -0.5, window=128, block=256, impl="triton",
+                                               window_range=window_range))
+    S, H, d, W = 512, 64, 512, 128
+    sd = jax.ShapeDtypeStruct
+    args = (sd((1, S, H, d), BF), sd((1, S), jnp.int32), sd((1, W + S, d), BF), sd((1, W + S), jnp.int32),
+            None, None, sd((H,), jnp.float32))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+    assert len(modules) == 2, sorted(modules)
+    for name, asm in modules.items():
+        assert "scf.for" in asm and "scf.while" not in asm, name
+        assert ("scf.if" in asm) != window_range, name
 
 
 def test_bad_shapes_are_refused():

@@ -70,9 +70,11 @@ DEFAULT = "1"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch
 # ``lazy``: the row maximum (max launch) and the probabilities' sum (output launch) kept as
 # [hb, bk] elementwise partials across key tiles and reduced across the tile once at the end,
 # instead of a cross-lane (and, on 8 warps, cross-warpgroup) reduction per tile: the same maximum,
-# another fp32 summation order for the sum.
+# another fp32 summation order for the sum. ``window_range``: the window loop over the range of
+# tiles holding valid keys (found by a pass over the key positions), without a branch per tile, so
+# Triton can pipeline its loads (the branch keeps it from doing so); the same products and sums.
 TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False, max_bk=64, max_warps=4,
-             max_stages=None, online=False, online_bk=64, lazy=False)
+             max_stages=None, online=False, online_bk=64, lazy=False, window_range=False)
 
 
 def _tiles() -> dict:
@@ -80,12 +82,16 @@ def _tiles() -> dict:
 
 
 def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int, bk: int, scale: float,
-               gathered: bool, skip_entries: bool, v0=None, dv=None):
+               gathered: bool, skip_entries: bool, window_range: bool = False, v0=None, dv=None):
     """Fold ``fn(carry, l, vals)`` over this program's key tiles: ``l`` the tile's masked logits
     ``[hb, bk]`` (fp32), ``vals()`` its value columns ``[v0, v0 + dv)`` (``[bk, dv]``, zeros where
     masked). Window tiles without a valid key are skipped, entry tiles too with ``skip_entries``
-    (a skip is a branch, which keeps Triton from pipelining the loop's loads). ``refs``: pos, kw,
-    kpos (and, with ``K``, idx and the compressed cache or the pre-gathered entries)."""
+    (a skip is a branch, which keeps Triton from pipelining the loop's loads). ``window_range``:
+    instead of a branch per window tile, a first pass over the key positions alone finds the first
+    and last window tile with a valid key, and the window loop runs over that range without a
+    branch (dynamic bounds: a loop Triton can pipeline; dead tiles inside the range are computed
+    masked). ``refs``: pos, kw, kpos (and, with ``K``, idx and the compressed cache or the
+    pre-gathered entries)."""
     from jax.experimental import pallas as pl
 
     pos_ref, kw_ref, kpos_ref = refs[:3]
@@ -111,14 +117,25 @@ def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int
     lo = (s // block) * block if block else 0
     n = min(W + block, J) if block else J
 
-    def window(c, carry):
-        j0 = lo + c * bk
+    def window_ok(c):
         inside = c * bk + lanes < n
-        kp = _load(kpos_ref.at[b, pl.ds(j0, bk)], inside, -1)
-        ok = inside & (kp >= 0) & (kp <= p_t) & (kp > p_t - W)
-        return tile(ok, lambda cols: kw_ref.at[b, pl.ds(j0, bk), cols], carry)
+        kp = _load(kpos_ref.at[b, pl.ds(lo + c * bk, bk)], inside, -1)
+        return inside & (kp >= 0) & (kp <= p_t) & (kp > p_t - W)
 
-    carry = lax.fori_loop(0, pl.cdiv(n, bk), window, carry)
+    def window(c, carry, skip=True):
+        j0 = lo + c * bk
+        return tile(window_ok(c), lambda cols: kw_ref.at[b, pl.ds(j0, bk), cols], carry, skip)
+
+    nt = pl.cdiv(n, bk)
+    if window_range:
+        def bounds(c, fl):
+            live = jnp.max(window_ok(c).astype(jnp.int32)) > 0
+            return jnp.where(live, jnp.minimum(fl[0], c), fl[0]), jnp.where(live, c, fl[1])
+
+        first, last = lax.fori_loop(0, nt, bounds, (jnp.int32(nt), jnp.int32(-1)))
+        carry = lax.fori_loop(first, jnp.maximum(last + 1, first), lambda c, cr: window(c, cr, False), carry)
+    else:
+        carry = lax.fori_loop(0, nt, window, carry)
     if not K:
         return carry
     idx_ref, src_ref = refs[3:5]
@@ -264,7 +281,8 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
             src = cmp.astype(dt)
         ops += [ids, src]
     geo = dict(S=S, W=window, block=block, J=J, K=K, bk=bk, scale=float(scale), gathered=gathered,
-               skip_entries=bool(tiles["skip_entries"] if skip_entries is None else skip_entries))
+               skip_entries=bool(tiles["skip_entries"] if skip_entries is None else skip_entries),
+               window_range=bool(tiles["window_range"]))
     warps, stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
     qt = q.reshape(T, H, d)
