@@ -530,7 +530,9 @@ ATTN_TILES = ({}, dict(max_bk=32, max_warps=8), dict(max_bk=128), dict(max_stage
               dict(lazy=True), dict(lazy=True, max_bk=128), dict(lazy=True, num_stages=3),
               # (11-) the window loop over the live tiles' range, no branch per tile (``window_range``)
               dict(window_range=True), dict(window_range=True, lazy=True), dict(window_range=True, num_stages=3),
-              dict(window_range=True, lazy=True, max_stages=3))
+              dict(window_range=True, lazy=True, max_stages=3),
+              # (15-) the entry loop over its live tiles' range too (``entry_range``)
+              dict(window_range=True, entry_range=True), dict(window_range=True, entry_range=True, lazy=True))
 
 
 def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: int = 512, block: int = 256,

@@ -75,8 +75,12 @@ def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
     assert np.mean(lazy == same[0]) > 0.99
     # ``window_range``: the window loop over the live tiles' range without a branch per tile: the
     # same products and sums in the same order (dead tiles add exact zeros and -inf maxima)
-    ranged = np.asarray(sparse_attn_prefill(*args, **tiles, window_range=True), np.float32)
-    np.testing.assert_array_equal(ranged, same[0])
+    # (``entry_range``: the entry loop over the range of tiles holding a selected entry, likewise)
+    for opts in (dict(window_range=True), dict(window_range=True, entry_range=True), dict(entry_range=True)):
+        ranged = np.asarray(sparse_attn_prefill(*args, **tiles, **opts), np.float32)
+        np.testing.assert_array_equal(ranged, same[0], err_msg=str(opts))
+        if not K:
+            break
     # the online form (one launch, running maximum): p rounded to bf16 against the maximum so far,
     # so bf16 roundings of p move; within a few bf16 ulps of the output's scale
     online = np.asarray(sparse_attn_prefill(*args, **tiles, online=True), np.float32)
@@ -84,12 +88,14 @@ def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
     assert not np.allclose(online, 0)
 
 
-@pytest.mark.parametrize("window_range", [False, True])
-def test_triton_lowering_for_cuda(window_range, monkeypatch):
+@pytest.mark.parametrize("window_range,entry_range,K", [(False, False, 0), (True, False, 0), (False, False, 64),
+                                                         (True, True, 64)])
+def test_triton_lowering_for_cuda(window_range, entry_range, K, monkeypatch):
     """Both launches lower to Triton for CUDA (checked without a GPU, the Triton modules captured
-    as Pallas lowers them). With ``window_range`` the window loop has dynamic bounds and no branch
-    per tile: it must stay an ``scf.for`` (a loop Triton pipelines), not become an ``scf.while``,
-    and the launches hold no ``scf.if`` (a window-only layer: the window tiles' branch is the only one)."""
+    as Pallas lowers them). With ``window_range`` / ``entry_range`` a loop gets a first pass over
+    the key positions / entry ids and then dynamic bounds without a branch per tile: each must stay
+    an ``scf.for`` (a loop Triton pipelines), never an ``scf.while``, and the window tiles' branch
+    (the only ``scf.if``: entry tiles are not skipped by default) goes."""
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     modules = {}
@@ -102,16 +108,17 @@ def test_triton_lowering_for_cuda(window_range, monkeypatch):
 
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
     f = jax.jit(lambda *a: sparse_attn_prefill(*a, 512 ** -0.5, window=128, block=256, impl="triton",
-                                               window_range=window_range))
+                                               window_range=window_range, entry_range=entry_range))
     S, H, d, W = 512, 64, 512, 128
     sd = jax.ShapeDtypeStruct
     args = (sd((1, S, H, d), BF), sd((1, S), jnp.int32), sd((1, W + S, d), BF), sd((1, W + S), jnp.int32),
-            None, None, sd((H,), jnp.float32))
+            sd((1, S // 2, d), BF) if K else None, sd((1, S, K), jnp.int32) if K else None, sd((H,), jnp.float32))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert len(modules) == 2, sorted(modules)
+    loops = 1 + window_range + (1 + entry_range if K else 0)  # each ranged loop adds its first pass
     for name, asm in modules.items():
-        assert "scf.for" in asm and "scf.while" not in asm, name
+        assert asm.count("scf.for") == loops and "scf.while" not in asm, name
         assert ("scf.if" in asm) != window_range, name
 
 

@@ -73,8 +73,10 @@ DEFAULT = "1"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch
 # another fp32 summation order for the sum. ``window_range``: the window loop over the range of
 # tiles holding valid keys (found by a pass over the key positions), without a branch per tile, so
 # Triton can pipeline its loads (the branch keeps it from doing so); the same products and sums.
+# ``entry_range``: the entry loop likewise over the range of tiles holding a selected entry (ids
+# >= 0), instead of all ``K / bk`` tiles (early tokens see fewer entries than ``K``).
 TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False, max_bk=64, max_warps=4,
-             max_stages=None, online=False, online_bk=64, lazy=False, window_range=False)
+             max_stages=None, online=False, online_bk=64, lazy=False, window_range=False, entry_range=False)
 
 
 def _tiles() -> dict:
@@ -82,14 +84,15 @@ def _tiles() -> dict:
 
 
 def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int, bk: int, scale: float,
-               gathered: bool, skip_entries: bool, window_range: bool = False, v0=None, dv=None):
+               gathered: bool, skip_entries: bool, window_range: bool = False, entry_range: bool = False,
+               v0=None, dv=None):
     """Fold ``fn(carry, l, vals)`` over this program's key tiles: ``l`` the tile's masked logits
     ``[hb, bk]`` (fp32), ``vals()`` its value columns ``[v0, v0 + dv)`` (``[bk, dv]``, zeros where
     masked). Window tiles without a valid key are skipped, entry tiles too with ``skip_entries``
-    (a skip is a branch, which keeps Triton from pipelining the loop's loads). ``window_range``:
-    instead of a branch per window tile, a first pass over the key positions alone finds the first
-    and last window tile with a valid key, and the window loop runs over that range without a
-    branch (dynamic bounds: a loop Triton can pipeline; dead tiles inside the range are computed
+    (a skip is a branch, which keeps Triton from pipelining the loop's loads). ``window_range`` /
+    ``entry_range``: instead of a branch per tile, a first pass over the key positions (entry ids)
+    alone finds the first and last tile with a valid key, and the loop runs over that range without
+    a branch (dynamic bounds: a loop Triton can pipeline; dead tiles inside the range are computed
     masked). ``refs``: pos, kw, kpos (and, with ``K``, idx and the compressed cache or the
     pre-gathered entries)."""
     from jax.experimental import pallas as pl
@@ -114,44 +117,42 @@ def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int
 
         return lax.cond(jnp.max(ok.astype(jnp.int32)) > 0, live, lambda c: c, carry) if skip else live(carry)
 
-    lo = (s // block) * block if block else 0
-    n = min(W + block, J) if block else J
+    def scan(nt, at, carry, skip, ranged):
+        """Tiles ``0..nt-1`` (``at(c)``: the tile's mask of valid keys and its key rows): all of
+        them, each a branch where ``skip``; or, ``ranged``, those from the first to the last holding
+        a valid key, without a branch."""
+        if not ranged:
+            return lax.fori_loop(0, nt, lambda c, cr: tile(*at(c), cr, skip), carry)
 
-    def window_ok(c):
-        inside = c * bk + lanes < n
-        kp = _load(kpos_ref.at[b, pl.ds(lo + c * bk, bk)], inside, -1)
-        return inside & (kp >= 0) & (kp <= p_t) & (kp > p_t - W)
-
-    def window(c, carry, skip=True):
-        j0 = lo + c * bk
-        return tile(window_ok(c), lambda cols: kw_ref.at[b, pl.ds(j0, bk), cols], carry, skip)
-
-    nt = pl.cdiv(n, bk)
-    if window_range:
         def bounds(c, fl):
-            live = jnp.max(window_ok(c).astype(jnp.int32)) > 0
+            live = jnp.max(at(c)[0].astype(jnp.int32)) > 0
             return jnp.where(live, jnp.minimum(fl[0], c), fl[0]), jnp.where(live, c, fl[1])
 
         first, last = lax.fori_loop(0, nt, bounds, (jnp.int32(nt), jnp.int32(-1)))
-        carry = lax.fori_loop(first, jnp.maximum(last + 1, first), lambda c, cr: window(c, cr, False), carry)
-    else:
-        carry = lax.fori_loop(0, nt, window, carry)
+        return lax.fori_loop(first, jnp.maximum(last + 1, first), lambda c, cr: tile(*at(c), cr, False), carry)
+
+    lo = (s // block) * block if block else 0
+    n = min(W + block, J) if block else J
+
+    def window_at(c):
+        inside = c * bk + lanes < n
+        kp = _load(kpos_ref.at[b, pl.ds(lo + c * bk, bk)], inside, -1)
+        ok = inside & (kp >= 0) & (kp <= p_t) & (kp > p_t - W)
+        return ok, lambda cols: kw_ref.at[b, pl.ds(lo + c * bk, bk), cols]
+
+    carry = scan(pl.cdiv(n, bk), window_at, carry, True, window_range)
     if not K:
         return carry
     idx_ref, src_ref = refs[3:5]
 
-    def entries(c, carry):
-        inside = c * bk + lanes < K
-        ids = _load(idx_ref.at[t, pl.ds(c * bk, bk)], inside, -1)
-        ok = ids >= 0
+    def entry_at(c):
+        ids = _load(idx_ref.at[t, pl.ds(c * bk, bk)], c * bk + lanes < K, -1)
         if gathered:
-            at = lambda cols: src_ref.at[t, pl.ds(c * bk, bk), cols]  # noqa: E731
-        else:
-            rows = jnp.maximum(ids, 0)
-            at = lambda cols: src_ref.at[b, rows, cols]  # noqa: E731  (a pointer gather)
-        return tile(ok, at, carry, skip_entries)
+            return ids >= 0, lambda cols: src_ref.at[t, pl.ds(c * bk, bk), cols]
+        rows = jnp.maximum(ids, 0)
+        return ids >= 0, lambda cols: src_ref.at[b, rows, cols]  # a pointer gather
 
-    return lax.fori_loop(0, pl.cdiv(K, bk), entries, carry)
+    return scan(pl.cdiv(K, bk), entry_at, carry, skip_entries, entry_range)
 
 
 def _heads(q_ref, hb: int):
@@ -282,7 +283,7 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
         ops += [ids, src]
     geo = dict(S=S, W=window, block=block, J=J, K=K, bk=bk, scale=float(scale), gathered=gathered,
                skip_entries=bool(tiles["skip_entries"] if skip_entries is None else skip_entries),
-               window_range=bool(tiles["window_range"]))
+               window_range=bool(tiles["window_range"]), entry_range=bool(tiles["entry_range"]))
     warps, stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
     qt = q.reshape(T, H, d)
