@@ -328,7 +328,7 @@ def load(path: str | os.PathLike, *, mesh=None, dtype: str = "bfloat16", numeric
         from dsv41_jax.model.moe import block_expert_codes, keep_kernel_scales
 
         keep_kernel_scales(model)
-        block_expert_codes(model)  # the codes K-blocked where DSV41_EXPERT_LAYOUT asks (rows by default)
+        block_expert_codes(model)  # the codes K-blocked where DSV41_EXPERT_LAYOUT asks (auto by default: on Hopper)
     tok = None
     tp = os.path.join(path, "tokenizer.json")
     if tokenizer and os.path.exists(tp):

@@ -488,9 +488,10 @@ def test_kblocked_experts_reach_every_prefill_and_decode_path(numerics, monkeypa
                          moe_intermediate_size=128)
     blk, _ = int8_moe(numerics, 5, hidden_size=128, n_routed_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=128)
-    assert M.expert_layout() == M.DEFAULT_EXPERT_LAYOUT == "rows" and M.block_expert_codes(blk) == 0
+    assert M.DEFAULT_EXPERT_LAYOUT == "auto" and M.expert_layout() == "rows"  # auto: rows off the Hopper kernel
+    assert M.block_expert_codes(blk) == 0  # (the CPU)
     monkeypatch.setenv("DSV41_EXPERT_LAYOUT", "auto")
-    assert M.block_expert_codes(blk) == 0  # auto: rows off the Hopper kernel (the CPU)
+    assert M.block_expert_codes(blk) == 0
     monkeypatch.setenv("DSV41_MGPU_IMPL", "mosaic")
     assert M.expert_layout() == "kblocked"  # where the Mosaic GPU prefill runs
     monkeypatch.delenv("DSV41_MGPU_IMPL")

@@ -146,11 +146,11 @@ def keep_kernel_scales(model, *, force: bool = False) -> int:
     return added
 
 
-# The default stays rows until decode is timed with K-blocked codes after session 30's change to
-# the chunk mode (run 38: batch 1 7.5% slower through a register transpose, now gone); run 40's
-# profile has the 8k prefill's kernels 1.5 ms faster with them. The plan is to make it "auto"
-# then (docs/status.md, item 0)
-DEFAULT_EXPERT_LAYOUT = "rows"
+# "auto" since session 31 (run 41, one H100, 2-layer slice): K-blocked codes make the 8k prefill
+# 42.4-42.8 ms against 45.3-45.9 with rows and decode batch 64 7.78 against 8.97 ms per token;
+# batch 1 pays 4.6% (1.200 against 1.147 ms: still 82% of its byte roofline). Off Hopper "auto"
+# is rows.
+DEFAULT_EXPERT_LAYOUT = "auto"
 
 
 def expert_layout() -> str:
