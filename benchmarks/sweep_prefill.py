@@ -532,7 +532,11 @@ ATTN_TILES = ({}, dict(max_bk=32, max_warps=8), dict(max_bk=128), dict(max_stage
               dict(window_range=True), dict(window_range=True, lazy=True), dict(window_range=True, num_stages=3),
               dict(window_range=True, lazy=True, max_stages=3),
               # (15-) the entry loop over its live tiles' range too (``entry_range``)
-              dict(window_range=True, entry_range=True), dict(window_range=True, entry_range=True, lazy=True))
+              dict(window_range=True, entry_range=True), dict(window_range=True, entry_range=True, lazy=True),
+              # (17-) the output launch reads the max launch's logits (``store_logits``), whole or
+              # in value slices on one warpgroup
+              dict(store_logits=True), dict(store_logits=True, dv=256, num_warps=4),
+              dict(store_logits=True, dv=128, num_warps=4), dict(store_logits=True, dv=256, num_warps=4, bk=64))
 
 
 def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: int = 512, block: int = 256,

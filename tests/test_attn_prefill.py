@@ -81,6 +81,12 @@ def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
         np.testing.assert_array_equal(ranged, same[0], err_msg=str(opts))
         if not K:
             break
+    # ``store_logits``: the output launch reads the max launch's logits instead of recomputing
+    # them: the same values, so the same output (also with other max tiles and value slices)
+    for opts in (dict(store_logits=True), dict(store_logits=True, max_bk=32, dv=16),
+                 dict(store_logits=True, window_range=False, entry_range=False)):
+        stored = np.asarray(sparse_attn_prefill(*args, **{**tiles, **opts}), np.float32)
+        np.testing.assert_array_equal(stored, same[0], err_msg=str(opts))
     # the online form (one launch, running maximum): p rounded to bf16 against the maximum so far,
     # so bf16 roundings of p move; within a few bf16 ulps of the output's scale
     online = np.asarray(sparse_attn_prefill(*args, **tiles, online=True), np.float32)
@@ -120,6 +126,34 @@ def test_triton_lowering_for_cuda(window_range, entry_range, K, monkeypatch):
     for name, asm in modules.items():
         assert asm.count("scf.for") == loops and "scf.while" not in asm, name
         assert ("scf.if" in asm) != window_range, name
+
+
+def test_stored_logits_lowering_for_cuda(monkeypatch):
+    """With ``store_logits`` the max launch stores the logits (two stores more: window and entry
+    loops) and the output launch makes half the dots (no ``q @ keys``), lowered for CUDA."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    modules = []
+    real = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(jaxpr, grid_mapping, *a, **k):
+        res = real(jaxpr, grid_mapping, *a, **k)
+        modules.append((jaxpr.debug_info.func_name, res.module.operation.get_asm()))
+        return res
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
+    S, H, d, W, K = 512, 64, 512, 128, 64
+    sd = jax.ShapeDtypeStruct
+    args = (sd((1, S, H, d), BF), sd((1, S), jnp.int32), sd((1, W + S, d), BF), sd((1, W + S), jnp.int32),
+            sd((1, S // 2, d), BF), sd((1, S, K), jnp.int32), sd((H,), jnp.float32))
+    for store in (False, True):
+        f = jax.jit(lambda *a: sparse_attn_prefill(*a, d ** -0.5, window=W, block=256, impl="triton",
+                                                   store_logits=store, dv=256, num_warps=4))
+        f.trace(*args).lower(lowering_platforms=("cuda",))
+    (n0, max0), (o0, out0), (n1, max1), (o1, out1) = modules
+    assert (n0, o0, n1, o1) == ("attn_prefill_max", "attn_prefill_out") * 2
+    assert max1.count("tt.store") == max0.count("tt.store") + 2 and max1.count("tt.dot") == max0.count("tt.dot")
+    assert out1.count("tt.dot") * 2 == out0.count("tt.dot") > 0
 
 
 def test_bad_shapes_are_refused():

@@ -77,9 +77,15 @@ DEFAULT = "1"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch
 # ``entry_range``: the entry loop likewise over the range of tiles holding a selected entry (ids
 # >= 0), instead of all ``K / bk`` tiles (early tokens see fewer entries than ``K``). Both on
 # (run 41, H100, 8k): 5.58 -> 5.51 ms per ratio-2 layer, 2.08 -> 2.04 window-only; the window's
-# range alone made the ratio-2 layer slower (6.76 ms), so they go together.
+# range alone made the ratio-2 layer slower (6.76 ms), so they go together. ``store_logits``: the
+# max launch also writes every logit it computes (fp32 ``[T, H, n + K]``: 1.9 GB at 8k tokens, V4.1
+# sizes, 256-token query blocks; the bytes moved are only the slots of computed tiles, ~1.4 GB)
+# and the output launch reads them instead of recomputing ``q @ keys``: half its MMAs, no queries,
+# and with ``dv`` < d no repeated QK per value slice (e.g. ``dv`` 256 on 4 warps: one warpgroup per
+# program, p never crosses warpgroups). The same logits, so the same output.
 TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False, max_bk=64, max_warps=4,
-             max_stages=None, online=False, online_bk=64, lazy=False, window_range=True, entry_range=True)
+             max_stages=None, online=False, online_bk=64, lazy=False, window_range=True, entry_range=True,
+             store_logits=False)
 
 
 def _tiles() -> dict:
@@ -88,7 +94,7 @@ def _tiles() -> dict:
 
 def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int, bk: int, scale: float,
                gathered: bool, skip_entries: bool, window_range: bool = False, entry_range: bool = False,
-               v0=None, dv=None):
+               v0=None, dv=None, logits_io=None):
     """Fold ``fn(carry, l, vals)`` over this program's key tiles: ``l`` the tile's masked logits
     ``[hb, bk]`` (fp32), ``vals()`` its value columns ``[v0, v0 + dv)`` (``[bk, dv]``, zeros where
     masked). Window tiles without a valid key are skipped, entry tiles too with ``skip_entries``
@@ -97,33 +103,44 @@ def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int
     alone finds the first and last tile with a valid key, and the loop runs over that range without
     a branch (dynamic bounds: a loop Triton can pipeline; dead tiles inside the range are computed
     masked). ``refs``: pos, kw, kpos (and, with ``K``, idx and the compressed cache or the
-    pre-gathered entries)."""
+    pre-gathered entries). ``logits_io`` (``store_logits``): ``(ref, "store" | "load", h0, hs)``:
+    each tile's logits written to ``ref [T, H, n + K]`` (key slot: window key ``lo + j`` at ``j``,
+    entry ``i`` at ``n + i``), or read from it instead of computed (``q`` is then unused)."""
     from jax.experimental import pallas as pl
 
     pos_ref, kw_ref, kpos_ref = refs[:3]
     t = pl.program_id(0)
     b, s = t // S, t % S
     p_t = pos_ref[t]
-    d = q.shape[-1]
+    d = kw_ref.shape[-1]
     lanes = jnp.arange(bk, dtype=jnp.int32)
     whole = v0 is None or dv == d
+    lg_ref, mode, h0, hs = logits_io or (None, None, None, None)
 
-    def logits(keys, ok):
+    def logits(keys, ok, slots):
         lg = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=F32) * scale
+        if mode == "store":
+            _store(lg_ref.at[t, pl.ds(h0, lg.shape[0]), slots], lg, hs[:, None] & ok[None, :])
         return jnp.where(ok[None, :], lg, -jnp.inf)
 
-    def tile(ok, key_at, carry, skip=True):
+    def tile(ok, key_at, slot0, carry, skip=True):
+        slots = pl.ds(slot0, bk)
+
         def live(carry):
+            if mode == "load":  # the max launch's logits: only the value columns are read here
+                lg = _load(lg_ref.at[t, pl.ds(h0, hs.shape[0]), slots], hs[:, None] & ok[None, :], -jnp.inf)
+                cols = slice(None) if whole else pl.ds(v0, dv)
+                return fn(carry, lg, lambda: _load(key_at(cols), ok[:, None], 0))
             keys = _load(key_at(slice(None)), ok[:, None], 0)
             vals = (lambda: keys) if whole else (lambda: _load(key_at(pl.ds(v0, dv)), ok[:, None], 0))
-            return fn(carry, logits(keys, ok), vals)
+            return fn(carry, logits(keys, ok, slots), vals)
 
         return lax.cond(jnp.max(ok.astype(jnp.int32)) > 0, live, lambda c: c, carry) if skip else live(carry)
 
     def scan(nt, at, carry, skip, ranged):
-        """Tiles ``0..nt-1`` (``at(c)``: the tile's mask of valid keys and its key rows): all of
-        them, each a branch where ``skip``; or, ``ranged``, those from the first to the last holding
-        a valid key, without a branch."""
+        """Tiles ``0..nt-1`` (``at(c)``: the tile's mask of valid keys, its key rows and its first
+        key slot): all of them, each a branch where ``skip``; or, ``ranged``, those from the first
+        to the last holding a valid key, without a branch."""
         if not ranged:
             return lax.fori_loop(0, nt, lambda c, cr: tile(*at(c), cr, skip), carry)
 
@@ -141,7 +158,7 @@ def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int
         inside = c * bk + lanes < n
         kp = _load(kpos_ref.at[b, pl.ds(lo + c * bk, bk)], inside, -1)
         ok = inside & (kp >= 0) & (kp <= p_t) & (kp > p_t - W)
-        return ok, lambda cols: kw_ref.at[b, pl.ds(lo + c * bk, bk), cols]
+        return ok, lambda cols: kw_ref.at[b, pl.ds(lo + c * bk, bk), cols], c * bk
 
     carry = scan(pl.cdiv(n, bk), window_at, carry, True, window_range)
     if not K:
@@ -151,53 +168,68 @@ def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int
     def entry_at(c):
         ids = _load(idx_ref.at[t, pl.ds(c * bk, bk)], c * bk + lanes < K, -1)
         if gathered:
-            return ids >= 0, lambda cols: src_ref.at[t, pl.ds(c * bk, bk), cols]
+            return ids >= 0, lambda cols: src_ref.at[t, pl.ds(c * bk, bk), cols], n + c * bk
         rows = jnp.maximum(ids, 0)
-        return ids >= 0, lambda cols: src_ref.at[b, rows, cols]  # a pointer gather
+        return ids >= 0, lambda cols: src_ref.at[b, rows, cols], n + c * bk  # a pointer gather
 
     return scan(pl.cdiv(K, bk), entry_at, carry, skip_entries, entry_range)
 
 
-def _heads(q_ref, hb: int):
+def _heads(q_ref, hb: int, load: bool = True):
     """This program's heads: the first, the mask of those below H (fewer heads than ``hb`` are
-    padded with masked rows: the tensor cores' smallest tile is 16) and their queries ``[hb, d]``."""
+    padded with masked rows: the tensor cores' smallest tile is 16) and their queries ``[hb, d]``
+    (None unless ``load``)."""
     from jax.experimental import pallas as pl
 
     t, h0 = pl.program_id(0), pl.program_id(1) * hb
     hs = h0 + jnp.arange(hb, dtype=jnp.int32) < q_ref.shape[1]
-    return h0, hs, _load(q_ref.at[t, pl.ds(h0, hb), :], hs[:, None], 0)
+    return h0, hs, _load(q_ref.at[t, pl.ds(h0, hb), :], hs[:, None], 0) if load else None
 
 
-def _max_kernel(q_ref, *refs, hb: int, lazy: bool = False, **geo):
+def _max_kernel(q_ref, *refs, hb: int, lazy: bool = False, store_logits: bool = False, **geo):
+    """The row maxima ``m [T, H]``; with ``store_logits`` also every computed logit (the last
+    output ``[T, H, n + K]``, read by the output launch instead of recomputed)."""
     from jax.experimental import pallas as pl
 
-    m_ref = refs[-1]
     h0, hs, q = _heads(q_ref, hb)
+    if store_logits:
+        refs, (m_ref, lg_ref) = refs[:-2], refs[-2:]
+        geo = dict(geo, logits_io=(lg_ref, "store", h0, hs))
+    else:
+        refs, m_ref = refs[:-1], refs[-1]
     if lazy:  # per-lane maxima across the tiles, one reduction at the end
-        m = jnp.max(_scan_keys(q, refs[:-1], jnp.full((hb, geo["bk"]), -jnp.inf, F32),
+        m = jnp.max(_scan_keys(q, refs, jnp.full((hb, geo["bk"]), -jnp.inf, F32),
                                lambda m, lg, vals: jnp.maximum(m, lg), **geo), axis=1)
     else:
-        m = _scan_keys(q, refs[:-1], jnp.full((hb,), -jnp.inf, F32),
+        m = _scan_keys(q, refs, jnp.full((hb,), -jnp.inf, F32),
                        lambda m, lg, vals: jnp.maximum(m, jnp.max(lg, axis=1)), **geo)
     _store(m_ref.at[pl.program_id(0), pl.ds(h0, hb)], m, hs)
 
 
-def _out_kernel(q_ref, m_ref, sink_ref, *refs, hb: int, dv: int, lazy: bool = False, **geo):
+def _out_kernel(q_ref, m_ref, sink_ref, *refs, hb: int, dv: int, lazy: bool = False, store_logits: bool = False,
+                **geo):
+    """The output; with ``store_logits`` the logits come from the max launch (the input before
+    the output), so a program reads its ``dv`` value columns of each key and no queries."""
     from jax.experimental import pallas as pl
 
     o_ref = refs[-1]
     t, v0 = pl.program_id(0), pl.program_id(2) * dv
-    h0, hs, q = _heads(q_ref, hb)
+    h0, hs, q = _heads(q_ref, hb, load=not store_logits)
+    if store_logits:
+        refs, lg_ref = refs[:-2], refs[-2]
+        geo = dict(geo, logits_io=(lg_ref, "load", h0, hs))
+    else:
+        refs = refs[:-1]
     m = jnp.maximum(_load(m_ref.at[t, pl.ds(h0, hb)], hs, 0), -1e30)
 
     def add(carry, lg, vals):
         acc, den = carry
         p = jnp.exp(lg - m[:, None])
-        acc = acc + jnp.dot(p.astype(q.dtype), vals(), preferred_element_type=F32)
+        acc = acc + jnp.dot(p.astype(o_ref.dtype), vals(), preferred_element_type=F32)
         return acc, den + (p if lazy else jnp.sum(p, axis=1))
 
     den0 = jnp.zeros((hb, geo["bk"]) if lazy else (hb,), F32)
-    acc, den = _scan_keys(q, refs[:-1], (jnp.zeros((hb, dv), F32), den0), add, v0=v0, dv=dv, **geo)
+    acc, den = _scan_keys(q, refs, (jnp.zeros((hb, dv), F32), den0), add, v0=v0, dv=dv, **geo)
     if lazy:
         den = jnp.sum(den, axis=1)
     den = den + jnp.exp(_load(sink_ref.at[pl.ds(h0, hb)], hs, 0) - m)
@@ -299,10 +331,16 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
     mgeo = dict(geo, bk=tiles["max_bk"] or bk)
     mparams = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
         num_warps=tiles["max_warps"] or warps, num_stages=tiles["max_stages"] or stages))
-    lazy = bool(tiles["lazy"])
-    m = pl.pallas_call(functools.partial(_max_kernel, hb=hb, lazy=lazy, **mgeo), out_shape=jax.ShapeDtypeStruct((T, H), F32),
+    lazy, store = bool(tiles["lazy"]), bool(tiles["store_logits"])
+    m_shape = jax.ShapeDtypeStruct((T, H), F32)
+    if store:  # every key slot's logit: the window's n slots of the token's block, then the K entries
+        n = min(window + block, J) if block else J
+        m_shape = (m_shape, jax.ShapeDtypeStruct((T, H, n + K), F32))
+    m = pl.pallas_call(functools.partial(_max_kernel, hb=hb, lazy=lazy, store_logits=store, **mgeo), out_shape=m_shape,
                        grid=(T, pl.cdiv(H, hb)), interpret=interpret, name="attn_prefill_max", **mparams)(qt, *ops)
-    o = pl.pallas_call(functools.partial(_out_kernel, hb=hb, dv=dv, lazy=lazy, **geo), out_shape=jax.ShapeDtypeStruct((T, H, d), dt),
-                       grid=(T, pl.cdiv(H, hb), d // dv), interpret=interpret, name="attn_prefill_out",
-                       **params)(qt, m, sink.astype(F32), *ops)
+    m, lg = m if store else (m, None)
+    o = pl.pallas_call(functools.partial(_out_kernel, hb=hb, dv=dv, lazy=lazy, store_logits=store, **geo),
+                       out_shape=jax.ShapeDtypeStruct((T, H, d), dt), grid=(T, pl.cdiv(H, hb), d // dv),
+                       interpret=interpret, name="attn_prefill_out",
+                       **params)(qt, m, sink.astype(F32), *ops, *([lg] if store else []))
     return o.reshape(B, S, H, d)
