@@ -73,12 +73,16 @@ def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
     lazy = np.asarray(sparse_attn_prefill(*args, **tiles, lazy=True), np.float32)
     np.testing.assert_allclose(lazy, want, rtol=2 ** -7, atol=1e-6)
     assert np.mean(lazy == same[0]) > 0.99
-    # ``window_range``: the window loop over the live tiles' range without a branch per tile: the
-    # same products and sums in the same order (dead tiles add exact zeros and -inf maxima)
-    # (``entry_range``: the entry loop over the range of tiles holding a selected entry, likewise)
-    for opts in (dict(window_range=True), dict(window_range=True, entry_range=True), dict(entry_range=True)):
+    # ``window_range`` / ``entry_range`` (on by default): a loop over the range of tiles holding a
+    # valid key / selected entry, without a branch per tile, against the loops over every tile with
+    # a branch per window tile: the same products and sums in the same order (dead tiles add exact
+    # zeros and -inf maxima)
+    every = np.asarray(sparse_attn_prefill(*args, **tiles, window_range=False, entry_range=False), np.float32)
+    np.testing.assert_allclose(every, want, rtol=2 ** -7, atol=1e-6)
+    for opts in (dict(window_range=True, entry_range=False), dict(window_range=True, entry_range=True),
+                 dict(window_range=False, entry_range=True)):
         ranged = np.asarray(sparse_attn_prefill(*args, **tiles, **opts), np.float32)
-        np.testing.assert_array_equal(ranged, same[0], err_msg=str(opts))
+        np.testing.assert_array_equal(ranged, every, err_msg=str(opts))
         if not K:
             break
     # ``store_logits``: the output launch reads the max launch's logits instead of recomputing
@@ -94,43 +98,10 @@ def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
     assert not np.allclose(online, 0)
 
 
-@pytest.mark.parametrize("window_range,entry_range,K", [(False, False, 0), (True, False, 0), (False, False, 64),
-                                                         (True, True, 64)])
-def test_triton_lowering_for_cuda(window_range, entry_range, K, monkeypatch):
-    """Both launches lower to Triton for CUDA (checked without a GPU, the Triton modules captured
-    as Pallas lowers them). With ``window_range`` / ``entry_range`` a loop gets a first pass over
-    the key positions / entry ids and then dynamic bounds without a branch per tile: each must stay
-    an ``scf.for`` (a loop Triton pipelines), never an ``scf.while``, and the window tiles' branch
-    (the only ``scf.if``: entry tiles are not skipped by default) goes."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    modules = {}
-    real = reg.lowering.lower_jaxpr_to_triton_module
-
-    def capture(jaxpr, grid_mapping, *a, **k):
-        res = real(jaxpr, grid_mapping, *a, **k)
-        modules[jaxpr.debug_info.func_name] = res.module.operation.get_asm()
-        return res
-
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
-    f = jax.jit(lambda *a: sparse_attn_prefill(*a, 512 ** -0.5, window=128, block=256, impl="triton",
-                                               window_range=window_range, entry_range=entry_range))
-    S, H, d, W = 512, 64, 512, 128
-    sd = jax.ShapeDtypeStruct
-    args = (sd((1, S, H, d), BF), sd((1, S), jnp.int32), sd((1, W + S, d), BF), sd((1, W + S), jnp.int32),
-            sd((1, S // 2, d), BF) if K else None, sd((1, S, K), jnp.int32) if K else None, sd((H,), jnp.float32))
-    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text
-    assert len(modules) == 2, sorted(modules)
-    loops = 1 + window_range + (1 + entry_range if K else 0)  # each ranged loop adds its first pass
-    for name, asm in modules.items():
-        assert asm.count("scf.for") == loops and "scf.while" not in asm, name
-        assert ("scf.if" in asm) != window_range, name
-
-
-def test_stored_logits_lowering_for_cuda(monkeypatch):
-    """With ``store_logits`` the max launch stores the logits (two stores more: window and entry
-    loops) and the output launch makes half the dots (no ``q @ keys``), lowered for CUDA."""
+@pytest.fixture
+def triton_modules(monkeypatch):
+    """``[(kernel name, Triton module text)]`` of every Pallas Triton launch lowered while the test
+    runs (captured as Pallas lowers them: the custom call holds only their bytecode)."""
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     modules = []
@@ -142,6 +113,35 @@ def test_stored_logits_lowering_for_cuda(monkeypatch):
         return res
 
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
+    return modules
+
+
+@pytest.mark.parametrize("window_range,entry_range,K", [(False, False, 0), (True, False, 0), (False, False, 64),
+                                                         (True, True, 64)])
+def test_triton_lowering_for_cuda(window_range, entry_range, K, triton_modules):
+    """Both launches lower to Triton for CUDA (checked without a GPU, the Triton modules captured
+    as Pallas lowers them). With ``window_range`` / ``entry_range`` a loop gets a first pass over
+    the key positions / entry ids and then dynamic bounds without a branch per tile: each must stay
+    an ``scf.for`` (a loop Triton pipelines), never an ``scf.while``, and the window tiles' branch
+    (the only ``scf.if``: entry tiles are not skipped by default) goes."""
+    f = jax.jit(lambda *a: sparse_attn_prefill(*a, 512 ** -0.5, window=128, block=256, impl="triton",
+                                               window_range=window_range, entry_range=entry_range))
+    S, H, d, W = 512, 64, 512, 128
+    sd = jax.ShapeDtypeStruct
+    args = (sd((1, S, H, d), BF), sd((1, S), jnp.int32), sd((1, W + S, d), BF), sd((1, W + S), jnp.int32),
+            sd((1, S // 2, d), BF) if K else None, sd((1, S, K), jnp.int32) if K else None, sd((H,), jnp.float32))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+    assert [name for name, _ in triton_modules] == ["attn_prefill_max", "attn_prefill_out"]
+    loops = 1 + window_range + (1 + entry_range if K else 0)  # each ranged loop adds its first pass
+    for name, asm in triton_modules:
+        assert asm.count("scf.for") == loops and "scf.while" not in asm, name
+        assert ("scf.if" in asm) != window_range, name
+
+
+def test_stored_logits_lowering_for_cuda(triton_modules):
+    """With ``store_logits`` the max launch stores the logits (two stores more: window and entry
+    loops) and the output launch makes half the dots (no ``q @ keys``), lowered for CUDA."""
     S, H, d, W, K = 512, 64, 512, 128, 64
     sd = jax.ShapeDtypeStruct
     args = (sd((1, S, H, d), BF), sd((1, S), jnp.int32), sd((1, W + S, d), BF), sd((1, W + S), jnp.int32),
@@ -150,7 +150,7 @@ def test_stored_logits_lowering_for_cuda(monkeypatch):
         f = jax.jit(lambda *a: sparse_attn_prefill(*a, d ** -0.5, window=W, block=256, impl="triton",
                                                    store_logits=store, dv=256, num_warps=4))
         f.trace(*args).lower(lowering_platforms=("cuda",))
-    (n0, max0), (o0, out0), (n1, max1), (o1, out1) = modules
+    (n0, max0), (o0, out0), (n1, max1), (o1, out1) = triton_modules
     assert (n0, o0, n1, o1) == ("attn_prefill_max", "attn_prefill_out") * 2
     assert max1.count("tt.store") == max0.count("tt.store") + 2 and max1.count("tt.dot") == max0.count("tt.dot")
     assert out1.count("tt.dot") * 2 == out0.count("tt.dot") > 0

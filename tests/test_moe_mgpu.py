@@ -488,8 +488,8 @@ def test_kblocked_experts_reach_every_prefill_and_decode_path(numerics, monkeypa
                          moe_intermediate_size=128)
     blk, _ = int8_moe(numerics, 5, hidden_size=128, n_routed_experts=8, num_experts_per_tok=2,
                       moe_intermediate_size=128)
-    assert M.DEFAULT_EXPERT_LAYOUT == "auto" and M.expert_layout() == "rows"  # auto: rows off the Hopper kernel
-    assert M.block_expert_codes(blk) == 0  # (the CPU)
+    # the default, auto, is rows off the Hopper kernel (the CPU)
+    assert M.DEFAULT_EXPERT_LAYOUT == "auto" and M.expert_layout() == "rows" and M.block_expert_codes(blk) == 0
     monkeypatch.setenv("DSV41_EXPERT_LAYOUT", "auto")
     assert M.block_expert_codes(blk) == 0
     monkeypatch.setenv("DSV41_MGPU_IMPL", "mosaic")

@@ -92,6 +92,12 @@ def _tiles() -> dict:
     return env_tiles("DSV41_ATTN_PREFILL_TILES", TILES)
 
 
+def _window_slots(W: int, block: int, J: int) -> int:
+    """How many window keys a token scans: its query block's ``W + block`` keys of ``kw`` (all
+    ``J`` where chunks are not blocked); the first key is at ``lo = (s // block) * block``."""
+    return min(W + block, J) if block else J
+
+
 def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int, bk: int, scale: float,
                gathered: bool, skip_entries: bool, window_range: bool = False, entry_range: bool = False,
                v0=None, dv=None, logits_io=None):
@@ -152,7 +158,7 @@ def _scan_keys(q, refs, carry, fn, *, S: int, W: int, block: int, J: int, K: int
         return lax.fori_loop(first, jnp.maximum(last + 1, first), lambda c, cr: tile(*at(c), cr, False), carry)
 
     lo = (s // block) * block if block else 0
-    n = min(W + block, J) if block else J
+    n = _window_slots(W, block, J)
 
     def window_at(c):
         inside = c * bk + lanes < n
@@ -334,8 +340,7 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
     lazy, store = bool(tiles["lazy"]), bool(tiles["store_logits"])
     m_shape = jax.ShapeDtypeStruct((T, H), F32)
     if store:  # every key slot's logit: the window's n slots of the token's block, then the K entries
-        n = min(window + block, J) if block else J
-        m_shape = (m_shape, jax.ShapeDtypeStruct((T, H, n + K), F32))
+        m_shape = (m_shape, jax.ShapeDtypeStruct((T, H, _window_slots(window, block, J) + K), F32))
     m = pl.pallas_call(functools.partial(_max_kernel, hb=hb, lazy=lazy, store_logits=store, **mgeo), out_shape=m_shape,
                        grid=(T, pl.cdiv(H, hb)), interpret=interpret, name="attn_prefill_max", **mparams)(qt, *ops)
     m, lg = m if store else (m, None)
