@@ -38,6 +38,10 @@ the same block layout; ``rel_err`` / ``equal_frac`` against the Triton result. R
 ``probe`` (``moe_mgpu.Tiles.probe``) give wrong values by design (timing only); rows with
 ``tiled`` hand the kernel a pre-tiled (``True``) or K-blocked (``"kblocked"``) copy of the codes.
 
+``--part site``: two mHC sites of an 8k chunk: the expansion after a site with the next site's
+mixing sums and collapse, and the sums and collapse alone, XLA's form (with ``hc_mix_sums``)
+against ``kernels.mhc_mix.hc_site_sums`` over its tiles.
+
 ``--part topk``: the indexer's top-512 of a prefill chunk (8192 rows of 4096 or 8192 entries) and
 of a batch-64 decode step: ``kernels.topk.topk_select`` against XLA's ``lax.top_k`` + sort
 (``equal`` must hold: the selection is exact).
@@ -523,6 +527,73 @@ def part_mhc(key, S: int = 8192, K: int = 4 * 5120, O: int = 24):
             emit(part="mhc", tokens=S, form=name, tiles=tiles, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
+# session 32: the site kernel's tiles (``kernels.mhc_mix.SiteConfig`` fields; {} = SITE_TILES)
+SITE_TILES = ({}, dict(bt=128), dict(bd=128), dict(bt=128, bd=32), dict(num_stages=3), dict(bt=32, bd=128),
+              dict(bt=128, num_warps=4))
+
+
+def part_site(key, S: int = 8192, n: int = 4, D: int = 5120, O: int = 24):
+    """Two mHC sites of an S-token chunk (bf16 stream ``[S, n, D]``): the expansion after a site
+    and the next site's mixing sums and collapse (``mhc.hc_post_site``), and a site's sums and
+    collapse alone (``mhc.hc_site`` without the expansion). XLA's expansion and collapse with the
+    ``hc_mix_sums`` kernel (the model's form before session 32) against ``hc_site_sums`` over its
+    tiles; bandwidth counts the stream's bytes the fused form must move (read once; written once
+    with the expansion)."""
+    from dsv41_jax.kernels.mhc_mix import hc_mix_sums, hc_site_sums
+    from dsv41_jax.model.mhc import hc_post, hc_pre
+
+    ks = jax.random.split(key, 6)
+    h = jax.random.normal(ks[0], (S, n, D), jnp.float32).astype(BF16)
+    y = jax.random.normal(ks[1], (S, D), jnp.float32).astype(BF16)
+    fn = 0.02 * jax.random.normal(ks[2], (O, n * D), jnp.float32)
+    pre = jax.random.uniform(ks[3], (S, n), jnp.float32)
+    post = 2 * jax.random.uniform(ks[4], (S, n), jnp.float32)
+    comb = jax.random.uniform(ks[5], (S, n, n), jnp.float32) / n
+
+    def xla(expand):
+        def f(i, s, h, y, fn, pre, post, comb):
+            st = hc_post(y, h, post + s, comb) if expand else h
+            mix, ss = hc_mix_sums(st.reshape(S, n * D), fn + s, impl=IMPL)
+            out = (mix, ss, hc_pre(st, pre))
+            return (st, *out) if expand else out
+        return f
+
+    def fused(expand, tiles):
+        def f(i, s, h, y, fn, pre, post, comb):
+            kw = dict(y=y, post=post + s, comb=comb) if expand else {}
+            return hc_site_sums(h, fn + s, pre, impl=IMPL, **kw, **tiles)
+        return f
+
+    def timed(f):  # one scalar: all of the small outputs and of x, one element of the new stream (the
+        # XLA form's sums kernel reads all of it, so none of it can be skipped), no extra pass over it
+        def g(i, s, *a):
+            out = f(i, s, *a)
+            st = out[0] if len(out) == 4 else None
+            tot = sum(jnp.sum(o.astype(jnp.float32)) for o in out[-3:])
+            return tot if st is None else tot + st[0, 0, 0].astype(jnp.float32)
+        return g
+
+    args = (h, y, fn, pre, post, comb)
+    for expand in (True, False):
+        nbytes = h.nbytes * (2 if expand else 1) + y.nbytes * (2 if expand else 1)
+        want = None
+        for tiles in (None,) + SITE_TILES:
+            form = "xla" if tiles is None else "kernel"
+            f = xla(expand) if tiles is None else fused(expand, tiles)
+            try:
+                t, comp = bq.timeit(timed(f), *args, reps=5)
+                got = jax.jit(lambda *a, f=f: f(0, jnp.float32(0), *a))(*args)
+                if want is None:
+                    want = got
+                err = {f"{k}_rel_err": bq.rel_err(g, w) for k, g, w in zip(
+                    ("stream", "mix", "ss", "x") if expand else ("mix", "ss", "x"), got, want)}
+                emit(part="site", tokens=S, expand=expand, form=form, tiles=tiles, ms=round(t * 1e3, 4),
+                     TBps=round(nbytes / t / 1e12, 3), compile_s=round(comp, 1), **err)
+            except Exception as e:  # noqa: BLE001
+                emit(part="site", tokens=S, expand=expand, form=form, tiles=tiles,
+                     error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
 # run 26 (calls 2-3) measured these and more around the default (docs/performance.md)
 ATTN_TILES = ({}, dict(max_bk=32, max_warps=8), dict(max_bk=128), dict(max_stages=3), dict(max_warps=8),
               dict(online=True), dict(online=True, bk=64), dict(online=True, num_stages=3),
@@ -600,7 +671,7 @@ def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: in
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--part", default="indexer,moe",
-                    help="indexer, moe, moedq, mhc, attn, glu, topk, mgpu (comma-separated)")
+                    help="indexer, moe, moedq, mhc, attn, glu, topk, mgpu, site (comma-separated)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--mgpu-rows", default="", help="indices into MGPU_VARIANTS to run (default: all)")
     ap.add_argument("--attn-rows", default="", help="indices into ATTN_TILES to run (default: all)")
@@ -609,12 +680,13 @@ def main():
     emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
     key = jax.random.key(0)
     parts = {"indexer": part_indexer, "moe": part_moe, "moedq": part_moedq, "mhc": part_mhc, "attn": part_attn,
-             "glu": part_glu, "topk": part_topk, "mgpu": part_mgpu}
+             "glu": part_glu, "topk": part_topk, "mgpu": part_mgpu, "site": part_site}
     if a.smoke:
         global IMPL, INDEXER_TILES, MOE_VARIANTS, MHC_TILES, MOEDQ_VARIANTS, ATTN_TILES, GLU_VARIANTS, TOPK_VARIANTS
-        global MGPU_VARIANTS
+        global MGPU_VARIANTS, SITE_TILES
         IMPL, INDEXER_TILES = "interpret", ({}, dict(bq=16, bt=32))
         MHC_TILES = ({}, dict(bt=16, bk=64))
+        SITE_TILES = ({}, dict(bt=16, bd=32, splits=2))
         ATTN_TILES = (dict(hb=16, bk=16, dv=32), dict(hb=16, bk=16, dv=32, max_bk=32), dict(hb=16, bk=16, online=True))
         MOE_VARIANTS = ((32, 16, {}), (32, 48, dict(bo=32)), (64, 24, {}))
         MOEDQ_VARIANTS = (("int8", {}), ("int8", dict(lowp_dequant=True)), ("codes", {}), ("bf16", {}))
@@ -629,7 +701,8 @@ def main():
                  "attn": lambda k: part_attn(k, S=40, H=16, d=64, W=8, K=16, block=8),
                  "glu": lambda k: part_glu(k, k=2, E=4, D=64, Ii=32),
                  "topk": part_topk,
-                 "mgpu": lambda k: part_mgpu(k, T=48, c=32, k=2, E=4, D=256, Ii=128)}
+                 "mgpu": lambda k: part_mgpu(k, T=48, c=32, k=2, E=4, D=256, Ii=128),
+                 "site": lambda k: part_site(k, S=80, D=64)}
     if a.mgpu_rows:
         MGPU_VARIANTS = tuple(MGPU_VARIANTS[int(i)] for i in a.mgpu_rows.split(","))
     if a.attn_rows:

@@ -20,6 +20,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 _ENV = "DSV41_COMPILATION_CACHE"
 _MADE: list[str] = []
 
@@ -47,3 +49,21 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     for d in _MADE:
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def triton_modules(monkeypatch):
+    """``[(kernel name, Triton module text)]`` of every Pallas Triton launch lowered while the test
+    runs (captured as Pallas lowers them: the custom call holds only their bytecode)."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    modules = []
+    real = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(jaxpr, grid_mapping, *a, **k):
+        res = real(jaxpr, grid_mapping, *a, **k)
+        modules.append((jaxpr.debug_info.func_name, res.module.operation.get_asm()))
+        return res
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
+    return modules

@@ -98,24 +98,6 @@ def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
     assert not np.allclose(online, 0)
 
 
-@pytest.fixture
-def triton_modules(monkeypatch):
-    """``[(kernel name, Triton module text)]`` of every Pallas Triton launch lowered while the test
-    runs (captured as Pallas lowers them: the custom call holds only their bytecode)."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    modules = []
-    real = reg.lowering.lower_jaxpr_to_triton_module
-
-    def capture(jaxpr, grid_mapping, *a, **k):
-        res = real(jaxpr, grid_mapping, *a, **k)
-        modules.append((jaxpr.debug_info.func_name, res.module.operation.get_asm()))
-        return res
-
-    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
-    return modules
-
-
 @pytest.mark.parametrize("window_range,entry_range,K", [(False, False, 0), (True, False, 0), (False, False, 64),
                                                          (True, True, 64)])
 def test_triton_lowering_for_cuda(window_range, entry_range, K, triton_modules):

@@ -30,3 +30,27 @@ def test_golden_case_on_the_kernel_paths(case, monkeypatch):
     failed = [f"{r.kind} {r.name}: {r.detail}" for r in res if r.ok is False]
     assert res and not failed, "\n".join(failed)
     assert {r.kind for r in res} == {"prefill", "decode"}
+
+
+def test_golden_bf16_case_through_the_site_kernel(monkeypatch):
+    """The bf16 golden case with every prefill mHC site on ``kernels.mhc_mix.hc_site_sums``
+    (``DSV41_MHC_SITE``: one pass for the expansion, the next site's sums and its collapse), in
+    the Pallas interpreter; the kernel's block and the prefill threshold lowered to the case's
+    40-token prompt (the defaults take chunks of more than 64 tokens). Checked against the
+    official reference at the case's tolerances."""
+    import dsv41_jax.kernels.mhc_mix as MM
+
+    case = os.path.join(GOLDEN, "text_bf16")
+    if not os.path.isdir(case):
+        pytest.fail("golden case text_bf16 missing")
+    monkeypatch.setattr(MM, "DECODE_MAX", 16)
+    monkeypatch.setattr(MM, "MIN_BLOCK", 16)
+    monkeypatch.setenv("DSV41_MHC_SITE_TILES", '{"bt": 16, "bd": 32}')
+    monkeypatch.setenv("DSV41_MHC_SITE", "interpret")
+    calls = []
+    real = MM.hc_site_sums
+    monkeypatch.setattr(MM, "hc_site_sums", lambda *a, **k: calls.append("y" in k) or real(*a, **k))
+    res = run_case(case, ("prefill", "decode"), log=lambda s: None)
+    failed = [f"{r.kind} {r.name}: {r.detail}" for r in res if r.ok is False]
+    assert res and not failed, "\n".join(failed)
+    assert True in calls and False in calls, calls  # both forms ran: with and without the expansion

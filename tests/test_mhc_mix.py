@@ -115,3 +115,124 @@ def test_decode_pair_through_hc_mixes(B, S, D, monkeypatch):
     with pytest.raises(ValueError, match="hc_mixes_decode"):
         M.hc_mixes_decode(jnp.zeros((65, 64), jnp.bfloat16), jnp.zeros((24, 64)), scale, base, n=4, iters=2,
                           norm_eps=1e-6, hc_eps=1e-6, impl="interpret")
+
+
+def _site_inputs(T, n, D, seed, dyadic=False):
+    rng = np.random.default_rng(seed)
+    if dyadic:  # every product and sum exact in fp32 (the new stream's values too, |s| <= 3.75 in
+        # steps of 1/32: exact in bf16), so any summation order gives the same bits
+        h = jnp.asarray(rng.integers(-8, 9, (T, n, D)) / 4, jnp.bfloat16)
+        fn = jnp.asarray(rng.integers(-8, 9, ((2 + n) * n, n * D)) / 8, F32)
+        y = jnp.asarray(rng.integers(-4, 5, (T, D)) / 4, jnp.bfloat16)
+        pre, post = (jnp.asarray(rng.integers(0, 4, (T, n)) / 4, F32) for _ in range(2))
+        comb = jnp.asarray(rng.integers(0, 4, (T, n, n)) / 8, F32)
+        return h, fn, pre, y, post, comb
+    h = jnp.asarray(rng.standard_normal((T, n, D)), jnp.bfloat16)
+    fn = jnp.asarray(rng.standard_normal(((2 + n) * n, n * D)) * 0.05, F32)
+    y = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    pre = jnp.asarray(rng.random((T, n)) + 0.5, F32)
+    post = jnp.asarray(2 * rng.random((T, n)), F32)
+    comb = jnp.asarray(rng.random((T, n, n)) / n, F32)
+    return h, fn, pre, y, post, comb
+
+
+@pytest.mark.parametrize("T,n,D,tiles", [
+    (70, 4, 128, {"bd": 32}),                         # a partial second token block, 4 column steps
+    (64, 4, 256, {"bd": 64, "splits": 2}),            # two column ranges summed by XLA
+    (96, 2, 64, {"bt": 32, "bd": 16}),                # n = 2
+])
+def test_site_kernel_matches_the_separate_forms(T, n, D, tiles):
+    """``hc_site_sums`` (one pass: the expansion of the previous site, then the mixing sums and
+    the collapse of the result) against ``hc_post``, ``hc_mix_sums_reference`` and ``hc_pre``:
+    the new stream and the collapse are the same bits (their few-term fp32 sums in the same
+    order), the sums the same up to fp32 summation order, and exact on dyadic inputs."""
+    from dsv41_jax.model.mhc import hc_post, hc_pre
+
+    for dyadic in (False, True):
+        h, fn, pre, y, post, comb = _site_inputs(T, n, D, T + D, dyadic)
+        mix, ss, x = M.hc_site_sums(h, fn, pre, impl="interpret", **tiles)
+        rmix, rss = M.hc_mix_sums_reference(h.reshape(T, n * D), fn)
+        np.testing.assert_array_equal(np.asarray(x, F32), np.asarray(hc_pre(h, pre), F32))
+        s, emix, ess, ex = M.hc_site_sums(h, fn, pre, y=y, post=post, comb=comb, impl="interpret", **tiles)
+        rs = hc_post(y, h, post, comb)
+        np.testing.assert_array_equal(np.asarray(s, F32), np.asarray(rs, F32))
+        np.testing.assert_array_equal(np.asarray(ex, F32), np.asarray(hc_pre(rs, pre), F32))
+        remix, ress = M.hc_mix_sums_reference(rs.reshape(T, n * D), fn)
+        tol = 0 if dyadic else 1e-6
+        for g, r in ((mix, rmix), (ss, rss), (emix, remix), (ess, ress)):
+            assert g.dtype == F32 and g.shape == r.shape and _rel(g, r) <= tol, (dyadic, _rel(g, r))
+
+
+def test_site_kernel_refuses_what_it_cannot_take():
+    h, fn, pre, y, post, comb = _site_inputs(70, 4, 64, 0)
+    with pytest.raises(ValueError, match="expected"):
+        M.hc_site_sums(h, fn[:, :128], pre, impl="interpret")
+    with pytest.raises(ValueError, match="expected"):
+        M.hc_site_sums(h, fn, pre, y=y[:, :32], post=post, comb=comb, impl="interpret")
+    with pytest.raises(ValueError, match="at least 64 tokens"):
+        M.hc_site_sums(h[:40], fn, pre[:40], impl="interpret")
+    with pytest.raises(ValueError, match="bf16"):
+        M.hc_site_sums(h.astype(F32), fn, pre, impl="interpret")
+    with pytest.raises(ValueError, match="power of two"):
+        M.hc_site_sums(h, fn, pre, impl="interpret", bd=48)
+    with pytest.raises(ValueError, match="ranges"):
+        M.hc_site_sums(h, fn, pre, impl="interpret", bd=16, splits=3)
+
+
+def test_site_paths_through_mhc(monkeypatch):
+    """``mhc.hc_site`` and ``mhc.hc_post_site`` with ``DSV41_MHC_SITE=interpret`` (the one-pass
+    kernel) against their XLA forms on [B, S, n, D] streams of a prefill chunk: the same new
+    stream and normed collapse bits, the same mixes up to the sums' fp32 order; decode-sized
+    chunks keep the XLA form; a bad switch value is one clear error."""
+    from dsv41_jax.model.layers import RMSNorm
+    from dsv41_jax.model.mhc import hc_post_site, hc_site, site_kernel_impl
+
+    n, D = 4, 64
+    h, fn, pre, y, post, comb = _site_inputs(2 * 40, n, D, 5)
+    h, pre, y, post, comb = (a.reshape(2, 40, *a.shape[1:]) for a in (h, pre, y, post, comb))
+    scale = jnp.asarray([0.5, 0.7, 1.3], F32)
+    base = jnp.asarray(np.random.default_rng(6).standard_normal((2 + n) * n) * 0.1, F32)
+    norm = RMSNorm(D, 1e-6, param_dtype=jnp.bfloat16)
+    norm.weight.value = jnp.asarray(1 + 0.1 * np.random.default_rng(7).standard_normal(D), jnp.bfloat16)
+    kw = dict(hc_mult=n, iters=20, norm_eps=1e-6, hc_eps=1e-6)
+    monkeypatch.setenv("DSV41_SINKHORN", "xla")
+    monkeypatch.setenv("DSV41_MHC_KERNEL", "0")
+    calls = []
+    real = M.hc_site_sums
+    monkeypatch.setattr(M, "hc_site_sums", lambda *a, **k: calls.append("y" in k) or real(*a, **k))
+    outs = {}
+    for mode in ("0", "interpret"):
+        monkeypatch.setenv("DSV41_MHC_SITE", mode)
+        site = jax.jit(lambda *a: hc_site(*a, norm, False, **kw))(h, fn, scale, base, pre)
+        post_site = jax.jit(lambda *a: hc_post_site(*a, norm, False, **kw))(y, h, post, comb, fn, scale, base, pre)
+        outs[mode] = (site, post_site)
+    assert calls == [False, True]
+    (rm, (rx, _)), (rs, rm2, (rx2, _)) = outs["0"]
+    (gm, (gx, gxq)), (gs, gm2, (gx2, _)) = outs["interpret"]
+    assert gxq is None
+    for a, b in ((gx, rx), (gs, rs), (gx2, rx2)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32))
+    for g, r in zip((*gm, *gm2), (*rm, *rm2)):
+        assert g.shape == r.shape and _rel(g, r) < 2e-6
+    assert site_kernel_impl(h[:1, :8], n) is None  # 8 tokens: the decode forms
+    monkeypatch.setenv("DSV41_MHC_SITE", "2")
+    with pytest.raises(ValueError, match="DSV41_MHC_SITE"):
+        hc_site(h, fn, scale, base, pre, norm, False, **kw)
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_site_kernel_lowers_for_cuda(expand, triton_modules):
+    """``hc_site_sums`` at V4.1 sizes (8k tokens, 4 x 5120 stream, 24 outputs) lowers to one
+    Triton launch for CUDA (checked without a GPU): three bf16 MMAs per stream per step, and
+    with the expansion the new stream's stores."""
+    T, n, D, O = 8192, 4, 5120, 24
+    sd = jax.ShapeDtypeStruct
+    kw = dict(y=sd((T, D), jnp.bfloat16), post=sd((T, n), F32), comb=sd((T, n, n), F32)) if expand else {}
+    f = jax.jit(lambda h, fn, pre, **k: M.hc_site_sums(h, fn, pre, impl="triton", **k))
+    f.trace(sd((T, n, D), jnp.bfloat16), sd((O, n * D), F32), sd((T, n), F32), **kw).lower(
+        lowering_platforms=("cuda",))
+    assert [name for name, _ in triton_modules] == ["hc_site_sums" + ("_post" if expand else "")]
+    text = triton_modules[0][1]
+    assert text.count("tt.dot") == 3 * n
+    assert text.count("tt.store") == 2 + (n if expand else 0)  # x, the sums (, the new stream)

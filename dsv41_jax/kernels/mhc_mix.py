@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dsv41_jax.kernels.qmatmul import _load_or, _pow2_at_least, _store, kernel_impl, offsets_fit
+from dsv41_jax.kernels.qmatmul import _load_or, _pow2_at_least, _store, env_tiles, kernel_impl, offsets_fit
 
 F32 = jnp.float32
 # programs to aim for (two per SM of a 132-SM H200): fewer tokens get more K ranges
@@ -364,3 +364,154 @@ def hc_mix_sums(x, fn, *, impl: str = "auto", **tiles):
     if K % cfg.bk or (cfg.splits and (K // cfg.bk) % cfg.splits):
         raise ValueError(f"hc_mix_sums: K={K} is not {cfg.splits or 'some number of'} ranges of whole {cfg.bk}-input steps")
     return _pallas(x, fn, cfg, interpret=impl == "interpret")
+
+
+# ------------------------------------------------------------------------------ fused site (prefill)
+@dataclasses.dataclass(frozen=True)
+class SiteConfig:
+    """``hc_site_sums``' tiles: ``bt`` tokens x ``bd`` model columns per step (each step reads
+    all ``n`` streams' ``bd`` columns), ``splits`` column ranges (0: ``choose_splits`` over
+    ``D``). Powers of two >= 16."""
+    bt: int = 64
+    bd: int = 64
+    splits: int = 0
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+# DSV41_MHC_SITE_TILES (JSON, e.g. '{"bt": 128}') overrides fields for tuning
+SITE_TILES = SiteConfig()
+
+
+def _site_kernel(*refs, cfg: SiteConfig, T: int, D: int, n: int, O: int, OP: int, dr: int, post: bool):
+    """One program: ``bt`` tokens x one ``dr``-wide range of the model columns, all ``n`` streams.
+    ``refs``: h, fn [OP, n * D], pre [T, n] (, y, post [T, n], comb [T, n * n]), then the
+    outputs: the partial sums [splits, T, OP] (column ``O``: the statistic), the collapse x [T, D]
+    (, the new stream [T, n * D])."""
+    from jax.experimental import pallas as pl
+
+    if post:
+        h_ref, f_ref, pre_ref, y_ref, po_ref, co_ref, o_ref, x_ref, s_ref = refs
+    else:
+        h_ref, f_ref, pre_ref, o_ref, x_ref = refs
+    bt, bd = cfg.bt, cfg.bd
+    i, ds = pl.program_id(0), pl.program_id(1)
+    t0, dbase = i * bt, ds * dr
+    rows = pl.ds(t0, bt)
+    rmask = (t0 + lax.broadcasted_iota(jnp.int32, (bt, 1), 0)) < T
+    dims = (((1,), (1,)), ((), ()))
+
+    def col(ref, c):  # [bt, 1] fp32: column c of a per-token table [T, cols]
+        return _load_or(ref.at[rows, pl.ds(c, 1)], rmask)
+
+    pre = [col(pre_ref, k) for k in range(n)]
+    if post:
+        po = [col(po_ref, k) for k in range(n)]
+        co = [[col(co_ref, j * n + k) for k in range(n)] for j in range(n)]   # co[j][k] = comb[t, j, k]
+
+    def step(dd, carry):
+        acc, ss = carry
+        d0 = pl.multiple_of(dbase + dd * bd, bd)
+        hs = [_load_or(h_ref.at[rows, pl.ds(k * D + d0, bd)], rmask) for k in range(n)]   # [bt, bd] each
+        if post:  # hc_post: post_k y + sum_j comb[j, k] h_j in fp32, rounded to the stream dtype
+            y = _load_or(y_ref.at[rows, pl.ds(d0, bd)], rmask).astype(F32)
+            hf = [v.astype(F32) for v in hs]
+            outs = []
+            for k in range(n):
+                r = co[0][k] * hf[0]
+                for j in range(1, n):
+                    r = r + co[j][k] * hf[j]
+                outs.append((po[k] * y + r).astype(h_ref.dtype))
+            for k in range(n):
+                _store(s_ref.at[rows, pl.ds(k * D + d0, bd)], outs[k], rmask)
+            hs = outs
+        xacc = None
+        for k in range(n):
+            w = _load_or(f_ref.at[pl.ds(0, OP), pl.ds(k * D + d0, bd)], jnp.ones((OP, 1), jnp.bool_))
+            dsum = None
+            for part in reversed(_split3(w)):  # as _kernel: exact bf16 split, smallest first
+                p = lax.dot_general(hs[k], part, dims, preferred_element_type=F32)
+                dsum = p if dsum is None else dsum + p
+            acc = acc + dsum
+            hf = hs[k].astype(F32)
+            ss = ss + jnp.sum(hf * hf, axis=1, keepdims=True)
+            xacc = pre[k] * hf if xacc is None else xacc + pre[k] * hf
+        _store(x_ref.at[rows, pl.ds(d0, bd)], xacc.astype(x_ref.dtype), rmask)
+        return acc, ss
+
+    acc, ss = lax.fori_loop(0, dr // bd, step, (jnp.zeros((bt, OP), F32), jnp.zeros((bt, 1), F32)))
+    c = lax.broadcasted_iota(jnp.int32, (1, OP), 1)
+    _store(o_ref.at[pl.ds(ds, 1), rows, :], jnp.where(c == O, ss, acc)[None], rmask[None])
+
+
+def site_config(**tiles) -> SiteConfig:
+    """``SITE_TILES`` with ``DSV41_MHC_SITE_TILES`` (read at trace time) and then ``tiles`` over it."""
+    env = env_tiles("DSV41_MHC_SITE_TILES", dataclasses.asdict(SITE_TILES))
+    return SiteConfig(**{**env, **tiles})
+
+
+def site_applies(h, D: int, cfg: SiteConfig | None = None) -> bool:
+    """Whether ``hc_site_sums`` takes the stream ``h [T, n, D]``: bf16, at least one token block
+    (``MIN_BLOCK``), ``D`` whole ``bd`` steps, offsets the Triton lowering addresses."""
+    cfg = cfg or site_config()
+    T = h.shape[0]
+    return (h.dtype == jnp.bfloat16 and T >= max(MIN_BLOCK, cfg.bt) and D % cfg.bd == 0
+            and offsets_fit(h.shape, h.dtype))
+
+
+def hc_site_sums(h, fn, pre_in, *, y=None, post=None, comb=None, impl: str, **tiles):
+    """One pass over an mHC site's stream for a prefill chunk: ``h [T, n, D]`` (bf16), ``fn [O,
+    n * D]``, ``pre_in [T, n]`` (the previous site's pre-mix) -> ``(mix [T, O], ss [T], x [T, D])``
+    with ``mix, ss = hc_mix_sums(s.reshape(T, n * D), fn)`` and ``x = mhc.hc_pre(s, pre_in)``, where
+    ``s`` is ``h``, or, given the previous site's output ``y [T, D]`` and its ``post [T, n]``,
+    ``comb [T, n, n]``, the stream after that site, ``mhc.hc_post(y, h, post, comb)``, which is
+    then returned too: ``(s, mix, ss, x)``.
+
+    XLA's form reads the stream three times per site (the expansion, the sums, the collapse:
+    ~0.2 ms each at 8k tokens of V4.1); this reads the old stream once and writes the new one.
+    The same values up to fp32 summation order (the mixing sums as ``hc_mix_sums``; the
+    expansion's and the collapse's few-term sums in ascending stream order)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    T, n, D = h.shape
+    O = fn.shape[0]
+    expand = y is not None
+    if fn.shape[1] != n * D or pre_in.shape != (T, n) or (expand and (
+            y.shape != (T, D) or post.shape != (T, n) or comb.shape != (T, n, n))):
+        raise ValueError(f"hc_site_sums: stream {h.shape}, weights {fn.shape}, pre {pre_in.shape}"
+                         + (f", y {y.shape}, post {post.shape}, comb {comb.shape}" if expand else "")
+                         + " (expected [T, n, D], [O, n * D], [T, n], [T, D], [T, n], [T, n, n])")
+    cfg = site_config(**tiles)
+    for name in ("bt", "bd"):
+        v = getattr(cfg, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"hc_site_sums: {name}={v} must be a power of two >= 16")
+    if not site_applies(h, D, cfg):
+        raise ValueError(f"hc_site_sums: a {h.dtype} stream {h.shape} (want bf16, at least {max(MIN_BLOCK, cfg.bt)} "
+                         f"tokens, D a multiple of {cfg.bd})")
+    OP = out_width(O)
+    splits = cfg.splits or choose_splits(T, D, cfg.bt, cfg.bd)
+    if (D // cfg.bd) % splits:
+        raise ValueError(f"hc_site_sums: D={D} is not {splits} ranges of whole {cfg.bd}-column steps")
+    interpret = impl == "interpret"
+    fnp = jnp.pad(fn.astype(F32), ((0, OP - O), (0, 0)))
+    table = lambda a: a.astype(F32).reshape(T, -1)  # noqa: E731  [T, cols]
+    ops = [h.reshape(T, n * D), fnp, table(pre_in)]
+    outs = [jax.ShapeDtypeStruct((splits, T, OP), F32), jax.ShapeDtypeStruct((T, D), h.dtype)]
+    if expand:
+        ops += [y.astype(h.dtype), table(post), table(comb)]
+        outs.append(jax.ShapeDtypeStruct((T, n * D), h.dtype))
+    kw = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps,
+                                                                       num_stages=cfg.num_stages))
+    grid = (pl.cdiv(T, cfg.bt), splits)
+    nbytes = h.nbytes * (2 if expand else 1) + T * D * 2 * (2 if expand else 1) + splits * T * OP * 4
+    cost = pl.CostEstimate(flops=2 * T * n * D * (3 * OP + 4 + (2 * n if expand else 0)), transcendentals=0,
+                           bytes_accessed=nbytes)
+    res = pl.pallas_call(functools.partial(_site_kernel, cfg=cfg, T=T, D=D, n=n, O=O, OP=OP, dr=D // splits,
+                                           post=expand),
+                         out_shape=tuple(outs), grid=grid, interpret=interpret, cost_estimate=cost,
+                         name="hc_site_sums" + ("_post" if expand else ""), **kw)(*ops)
+    tot = jnp.sum(res[0], axis=0)
+    mix, ss, x = tot[:, :O], tot[:, O], res[1]
+    return (res[2].reshape(T, n, D), mix, ss, x) if expand else (mix, ss, x)

@@ -8,7 +8,7 @@ from dsv41_jax.config import LayerPlan, TextConfig
 from dsv41_jax.model.attention import Attention
 from dsv41_jax.model.engram import Engram
 from dsv41_jax.model.layers import RMSNorm
-from dsv41_jax.model.mhc import hc_post, hc_site
+from dsv41_jax.model.mhc import hc_post, hc_post_site, hc_site
 from dsv41_jax.model.moe import MoE
 from dsv41_jax.numerics import Numerics
 
@@ -55,10 +55,11 @@ class Block(nnx.Module):
                                                    self.hc_attn_base[...], pre_in, self.attn_norm,
                                                    self.attn.wants_xq(), **self._hc())
         a, cache, ctx = self.attn(x, pos, valid, cache, ctx, capture, xq=xq)
-        h = hc_post(a, h, post_a, comb_a)
-        (pre_f, post_f, comb_f), (x, xq) = hc_site(h, self.hc_ffn_fn[...], self.hc_ffn_scale[...],
-                                                   self.hc_ffn_base[...], pre_a, self.ffn_norm, self.ffn.wants_xq(),
-                                                   **self._hc())
+        # the expansion after attention and the FFN site's inputs (one pass over the stream on
+        # prefill chunks with DSV41_MHC_SITE)
+        h, (pre_f, post_f, comb_f), (x, xq) = hc_post_site(a, h, post_a, comb_a, self.hc_ffn_fn[...],
+                                                           self.hc_ffn_scale[...], self.hc_ffn_base[...], pre_a,
+                                                           self.ffn_norm, self.ffn.wants_xq(), **self._hc())
         f = self.ffn(x, image_mask, capture, xq=xq)
         h = hc_post(f, h, post_f, comb_f)
         return h, pre_f, cache, ctx

@@ -87,6 +87,12 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
         mix, ss = hc_mix_sums(h.reshape(-1, K), fn, impl=impl)
         rs = jax.lax.rsqrt(ss / K + norm_eps)
         m = (mix * rs[:, None]).reshape(*h.shape[:-2], -1)
+    return _epilogue(m, scale, base, n, iters, hc_eps)
+
+
+def _epilogue(m, scale, base, n: int, iters: int, hc_eps: float):
+    """The normalized mixing logits ``m [..., 2n + n^2]`` -> ``(pre, post, comb)``: sigmoids and
+    the Sinkhorn normalization (the Pallas kernel where ``sinkhorn_kernel_impl`` says)."""
     scale, base = scale.astype(F32), base.astype(F32)
     pre = jax.nn.sigmoid(m[..., :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * jax.nn.sigmoid(m[..., n:2 * n] * scale[1] + base[n:2 * n])
@@ -121,8 +127,62 @@ def hc_site(h, fn, scale, base, pre_in, norm, quantize: bool, *, hc_mult: int, i
         lead, D = h.shape[:-2], h.shape[-1]
         return ((pre.reshape(*lead, n), post.reshape(*lead, n), c.reshape(*lead, n, n)),
                 (x.reshape(*lead, D), None if xq is None else xq.reshape(*lead, D)))
+    if site_kernel_impl(h, n) is not None:  # prefill: the sums and the collapse in one pass
+        from dsv41_jax.kernels.mhc_mix import hc_site_sums
+
+        lead, D = h.shape[:-2], h.shape[-1]
+        mix, ss, x = hc_site_sums(h.reshape(T, n, D), fn, pre_in.reshape(T, n), impl=site_kernel_impl(h, n))
+        return (_site_mixes(mix, ss, K, lead, scale, base, n=n, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps),
+                norm.with_quant(x.reshape(*lead, D), quantize))
     mixes = hc_mixes(h, fn, scale, base, hc_mult=n, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps)
     return mixes, norm.with_quant(h, quantize, mix=pre_in)
+
+
+def site_kernel_impl(h, n: int):
+    """``DSV41_MHC_SITE`` (read at trace time): ``1``: a prefill chunk's mHC site in one pass
+    over its stream (``kernels.mhc_mix.hc_site_sums``: the mixing sums and the collapse, and
+    in ``hc_post_site`` the previous site's expansion) where the kernels run
+    (``kernels.kernel_switch``) and the stream is a bf16 chunk of whole kernel blocks
+    (``kernels.mhc_mix.site_applies``); ``0`` (default): XLA's expansion and collapse and the
+    ``hc_mix_sums`` kernel, each reading the stream; ``interpret``: the kernel in the Pallas
+    interpreter (tests). Returns the kernel ``impl`` or None."""
+    from dsv41_jax.kernels import kernel_switch
+    from dsv41_jax.kernels.mhc_mix import DECODE_MAX, site_applies
+
+    impl = kernel_switch("DSV41_MHC_SITE", default="0")
+    T = math.prod(h.shape[:-2])
+    if impl is None or h.shape[-2] != n or T <= DECODE_MAX:
+        return None
+    return impl if site_applies(h.reshape(T, n, h.shape[-1]), h.shape[-1]) else None
+
+
+def _site_mixes(mix, ss, K: int, lead, scale, base, *, n: int, iters: int, norm_eps: float, hc_eps: float):
+    """``hc_mixes`` from the kernel's sums ``mix [T, O]`` and statistic ``ss [T]`` (``K`` inputs)."""
+    m = (mix * jax.lax.rsqrt(ss / K + norm_eps)[:, None]).reshape(*lead, -1)
+    pre, post, c = _epilogue(m, scale, base, n, iters, hc_eps)
+    return pre, post, c
+
+
+def hc_post_site(y, h, post, comb, fn, scale, base, pre_in, norm, quantize: bool, *, hc_mult: int, iters: int,
+                 norm_eps: float, hc_eps: float):
+    """``hc_post(y, h, post, comb)`` and the next site's ``hc_site`` of its result, i.e.
+    ``(h_new, (pre, post, comb), (x, xq))``. On a prefill chunk with ``DSV41_MHC_SITE``
+    (``site_kernel_impl``) one kernel reads the old stream once, writes the new one and forms
+    the new one's mixing sums and collapse (XLA's form reads the new stream twice more)."""
+    n = hc_mult
+    hc = dict(hc_mult=n, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps)
+    impl = site_kernel_impl(h, n)
+    if impl is None:
+        h = hc_post(y, h, post, comb)
+        return (h, *hc_site(h, fn, scale, base, pre_in, norm, quantize, **hc))
+    from dsv41_jax.kernels.mhc_mix import hc_site_sums
+
+    lead, D = h.shape[:-2], h.shape[-1]
+    T = math.prod(lead)
+    s, mix, ss, x = hc_site_sums(h.reshape(T, n, D), fn, pre_in.reshape(T, n), y=y.reshape(T, D),
+                                 post=post.reshape(T, n), comb=comb.reshape(T, n, n), impl=impl)
+    mixes = _site_mixes(mix, ss, n * D, lead, scale, base, n=n, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps)
+    return s.reshape(h.shape), mixes, norm.with_quant(x.reshape(*lead, D), quantize)
 
 
 def hc_pre(h, mix):
