@@ -594,7 +594,9 @@ def part_site(key, S: int = 8192, n: int = 4, D: int = 5120, O: int = 24):
                      error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-# run 26 (calls 2-3) measured these and more around the default (docs/performance.md)
+# run 26 (calls 2-3) measured these and more around the default (docs/performance.md); each row
+# overrides ``attn_prefill.TILES``, so rows 0-16, measured while ``store_logits`` was off (before
+# session 32), now run on top of the stored logits; row 21 is the form without them
 ATTN_TILES = ({}, dict(max_bk=32, max_warps=8), dict(max_bk=128), dict(max_stages=3), dict(max_warps=8),
               dict(online=True), dict(online=True, bk=64), dict(online=True, num_stages=3),
               # (8-) session 31: the max and the sum reduced once per row at the end (``lazy``)
@@ -606,8 +608,10 @@ ATTN_TILES = ({}, dict(max_bk=32, max_warps=8), dict(max_bk=128), dict(max_stage
               dict(window_range=True, entry_range=True), dict(window_range=True, entry_range=True, lazy=True),
               # (17-) the output launch reads the max launch's logits (``store_logits``), whole or
               # in value slices on one warpgroup
-              dict(store_logits=True), dict(store_logits=True, dv=256, num_warps=4),
-              dict(store_logits=True, dv=128, num_warps=4), dict(store_logits=True, dv=256, num_warps=4, bk=64))
+              dict(store_logits=True, dv=512, num_warps=8), dict(store_logits=True, dv=256, num_warps=4),
+              dict(store_logits=True, dv=128, num_warps=4), dict(store_logits=True, dv=256, num_warps=4, bk=64),
+              # (21) the logits recomputed by the output launch (the default before session 32)
+              dict(store_logits=False))
 
 
 def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: int = 512, block: int = 256,

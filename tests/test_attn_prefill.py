@@ -7,6 +7,7 @@ kernel, at the case's own tolerances against the official reference."""
 from __future__ import annotations
 
 import os
+import re
 from types import SimpleNamespace
 
 import jax
@@ -85,8 +86,11 @@ def test_kernel_matches_the_xla_form(B, S, H, d, W, Tc, K, q_block):
         np.testing.assert_array_equal(ranged, every, err_msg=str(opts))
         if not K:
             break
-    # ``store_logits``: the output launch reads the max launch's logits instead of recomputing
-    # them: the same values, so the same output (also with other max tiles and value slices)
+    # ``store_logits`` (the default): the output launch reads the max launch's logits instead of
+    # recomputing them: the same values, so the same output (also with other max tiles and value
+    # slices), as the recomputing form and as the form past ``STORE_MAX_BYTES`` (which recomputes)
+    recomputed = np.asarray(sparse_attn_prefill(*args, **tiles, store_logits=False), np.float32)
+    np.testing.assert_array_equal(recomputed, same[0])
     for opts in (dict(store_logits=True), dict(store_logits=True, max_bk=32, dv=16),
                  dict(store_logits=True, window_range=False, entry_range=False)):
         stored = np.asarray(sparse_attn_prefill(*args, **{**tiles, **opts}), np.float32)
@@ -136,6 +140,35 @@ def test_stored_logits_lowering_for_cuda(triton_modules):
     assert (n0, o0, n1, o1) == ("attn_prefill_max", "attn_prefill_out") * 2
     assert max1.count("tt.store") == max0.count("tt.store") + 2 and max1.count("tt.dot") == max0.count("tt.dot")
     assert out1.count("tt.dot") * 2 == out0.count("tt.dot") > 0
+
+
+def test_stored_logits_default_and_size_cap(triton_modules, monkeypatch):
+    """The default stores the logits and runs the output launch on ``store_dv`` columns and
+    ``store_warps`` warps; a chunk whose logits pass ``STORE_MAX_BYTES`` recomputes them on ``dv``
+    / ``num_warps`` (the grids and the Triton modules' warp counts show which)."""
+    import dsv41_jax.kernels.attn_prefill as AP
+
+    S, H, d, W, K = 512, 64, 512, 128, 64
+    sd = jax.ShapeDtypeStruct
+    args = (sd((1, S, H, d), BF), sd((1, S), jnp.int32), sd((1, W + S, d), BF), sd((1, W + S), jnp.int32),
+            sd((1, S // 2, d), BF), sd((1, S, K), jnp.int32), sd((H,), jnp.float32))
+    need = S * H * (W + 256 + K) * 4  # the logits buffer of this chunk
+    outs = {}
+    for cap in (need, need - 1):  # a fresh jit each: the cap is read when tracing
+        monkeypatch.setattr(AP, "STORE_MAX_BYTES", cap)
+        f = jax.jit(lambda *a: sparse_attn_prefill(*a, d ** -0.5, window=W, block=256, impl="triton"))
+        outs[cap] = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    (_, max_s), (_, out_s), (_, max_r), (_, out_r) = triton_modules
+    assert max_s.count("tt.store") == max_r.count("tt.store") + 2          # stored only under the cap
+    assert out_s.count("tt.dot") * 2 == out_r.count("tt.dot") > 0
+    assert f"{S}x{H}x{W + 256 + K}xf32" in outs[need] and f"{S}x{H}x{W + 256 + K}xf32" not in outs[need - 1]
+
+    def out_launch(text):  # the output launch's value slices (grid z) and warps, from its custom call
+        call = [ln for ln in text.splitlines() if "custom_call" in ln][-1]
+        return (int(re.search(r"grid_z = (\d+)", call).group(1)), int(re.search(r"num_warps = (\d+)", call).group(1)))
+
+    assert out_launch(outs[need]) == (d // AP.TILES["store_dv"], AP.TILES["store_warps"]) == (2, 4)
+    assert out_launch(outs[need - 1]) == (d // AP.TILES["dv"], AP.TILES["num_warps"]) == (1, 8)
 
 
 def test_bad_shapes_are_refused():

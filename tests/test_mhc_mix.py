@@ -137,8 +137,8 @@ def _site_inputs(T, n, D, seed, dyadic=False):
 
 
 @pytest.mark.parametrize("T,n,D,tiles", [
-    (70, 4, 128, {"bd": 32}),                         # a partial second token block, 4 column steps
-    (64, 4, 256, {"bd": 64, "splits": 2}),            # two column ranges summed by XLA
+    (70, 4, 128, {"bt": 64, "bd": 32}),               # a partial second token block, 4 column steps
+    (64, 4, 256, {"bt": 64, "bd": 64, "splits": 2}),  # two column ranges summed by XLA
     (96, 2, 64, {"bt": 32, "bd": 16}),                # n = 2
 ])
 def test_site_kernel_matches_the_separate_forms(T, n, D, tiles):
@@ -164,13 +164,13 @@ def test_site_kernel_matches_the_separate_forms(T, n, D, tiles):
 
 
 def test_site_kernel_refuses_what_it_cannot_take():
-    h, fn, pre, y, post, comb = _site_inputs(70, 4, 64, 0)
+    h, fn, pre, y, post, comb = _site_inputs(128, 4, 64, 0)
     with pytest.raises(ValueError, match="expected"):
         M.hc_site_sums(h, fn[:, :128], pre, impl="interpret")
     with pytest.raises(ValueError, match="expected"):
         M.hc_site_sums(h, fn, pre, y=y[:, :32], post=post, comb=comb, impl="interpret")
-    with pytest.raises(ValueError, match="at least 64 tokens"):
-        M.hc_site_sums(h[:40], fn, pre[:40], impl="interpret")
+    with pytest.raises(ValueError, match="at least 128 tokens"):  # one block of the default tiles
+        M.hc_site_sums(h[:100], fn, pre[:100], impl="interpret")
     with pytest.raises(ValueError, match="bf16"):
         M.hc_site_sums(h.astype(F32), fn, pre, impl="interpret")
     with pytest.raises(ValueError, match="power of two"):
@@ -181,15 +181,16 @@ def test_site_kernel_refuses_what_it_cannot_take():
 
 def test_site_paths_through_mhc(monkeypatch):
     """``mhc.hc_site`` and ``mhc.hc_post_site`` with ``DSV41_MHC_SITE=interpret`` (the one-pass
-    kernel) against their XLA forms on [B, S, n, D] streams of a prefill chunk: the same new
-    stream and normed collapse bits, the same mixes up to the sums' fp32 order; decode-sized
+    kernel) against their XLA forms on [B, S, n, D] streams of a prefill chunk: the new stream
+    and the normed collapse within one bf16 rounding (nearly all the same bits), the same mixes
+    up to the sums' fp32 order; decode-sized
     chunks keep the XLA form; a bad switch value is one clear error."""
     from dsv41_jax.model.layers import RMSNorm
     from dsv41_jax.model.mhc import hc_post_site, hc_site, site_kernel_impl
 
     n, D = 4, 64
-    h, fn, pre, y, post, comb = _site_inputs(2 * 40, n, D, 5)
-    h, pre, y, post, comb = (a.reshape(2, 40, *a.shape[1:]) for a in (h, pre, y, post, comb))
+    h, fn, pre, y, post, comb = _site_inputs(2 * 80, n, D, 5)  # a full 128-token block and a partial one
+    h, pre, y, post, comb = (a.reshape(2, 80, *a.shape[1:]) for a in (h, pre, y, post, comb))
     scale = jnp.asarray([0.5, 0.7, 1.3], F32)
     base = jnp.asarray(np.random.default_rng(6).standard_normal((2 + n) * n) * 0.1, F32)
     norm = RMSNorm(D, 1e-6, param_dtype=jnp.bfloat16)
@@ -210,11 +211,14 @@ def test_site_paths_through_mhc(monkeypatch):
     (rm, (rx, _)), (rs, rm2, (rx2, _)) = outs["0"]
     (gm, (gx, gxq)), (gs, gm2, (gx2, _)) = outs["interpret"]
     assert gxq is None
-    for a, b in ((gx, rx), (gs, rs), (gx2, rx2)):
+    for a, b in ((gx, rx), (gs, rs), (gx2, rx2)):  # XLA may add the few-term sums in another order
+        # under jit: at most one bf16 rounding apart, nearly all the same bits
         assert a.shape == b.shape and a.dtype == b.dtype
-        np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32))
-    for g, r in zip((*gm, *gm2), (*rm, *rm2)):
-        assert g.shape == r.shape and _rel(g, r) < 2e-6
+        a, b = np.asarray(a, F32), np.asarray(b, F32)
+        np.testing.assert_allclose(a, b, rtol=2 ** -7, atol=0)
+        assert np.mean(a == b) > 0.999
+    for g, r in zip((*gm, *gm2), (*rm, *rm2)):  # the sums' order, and the few differing stream bits
+        assert g.shape == r.shape and _rel(g, r) < 2e-5
     assert site_kernel_impl(h[:1, :8], n) is None  # 8 tokens: the decode forms
     monkeypatch.setenv("DSV41_MHC_SITE", "2")
     with pytest.raises(ValueError, match="DSV41_MHC_SITE"):

@@ -19,10 +19,12 @@ otherwise all of ``kw[b]``. The rounding points are the reference's: the probabi
 to dt relative to the row's global maximum, so flash attention's running maximum is out. Hence
 two launches over a grid of (token, ``hb`` heads):
 
-1. ``_max_kernel``: every key tile's logits, their row maximum ``m [T, H]`` (exact: a max);
-2. ``_out_kernel`` (a third grid axis over ``dv``-wide slices of the output columns): the logits
-   again, ``p = exp(l - m)``, their fp32 sum and ``dt(p) @ keys[:, slice]``, then the sink and
-   the division, written as dt.
+1. ``_max_kernel``: every key tile's logits, their row maximum ``m [T, H]`` (exact: a max), and
+   by default (``store_logits``, chunks up to ``STORE_MAX_BYTES`` of logits) the logits themselves
+   (fp32 ``[T, H, n + K]``);
+2. ``_out_kernel`` (a third grid axis over ``dv``-wide slices of the output columns): the stored
+   logits (or, past that size, the logits again), ``p = exp(l - m)``, their fp32 sum and
+   ``dt(p) @ keys[:, slice]``, then the sink and the division, written as dt.
 
 Only the fp32 summation orders differ from XLA's. The max launch runs on key tiles and warps of
 its own (``max_bk``, ``max_warps``: a maximum is exact in any order). ``online=True`` (opt-in,
@@ -82,10 +84,18 @@ DEFAULT = "1"  # ``DSV41_ATTN_PREFILL_KERNEL`` when unset (kernels.kernel_switch
 # sizes, 256-token query blocks; the bytes moved are only the slots of computed tiles, ~1.4 GB)
 # and the output launch reads them instead of recomputing ``q @ keys``: half its MMAs, no queries,
 # and with ``dv`` < d no repeated QK per value slice (e.g. ``dv`` 256 on 4 warps: one warpgroup per
-# program, p never crosses warpgroups). The same logits, so the same output.
+# program, p never crosses warpgroups). The same logits, so the same output. On by default since
+# run 42 (session 32, H100, 8k): 5.43 -> 4.91 ms per ratio-2 layer, 2.01 -> 1.78 window-only, the
+# 2-layer prefill 42.56-42.89 -> 41.62-42.12 ms; its output launch then takes ``store_dv`` value
+# columns on ``store_warps`` warps (256 on 4: 4.91 ms; the whole 512 on 8 warps 5.04, 128 on 4
+# 6.62), and a chunk whose logits would pass ``STORE_MAX_BYTES`` recomputes them as before
+# (``dv`` / ``num_warps``), so long unchunked prompts keep the two launches' small footprint.
 TILES = dict(hb=64, bk=32, dv=512, num_warps=8, num_stages=2, skip_entries=False, max_bk=64, max_warps=4,
              max_stages=None, online=False, online_bk=64, lazy=False, window_range=True, entry_range=True,
-             store_logits=False)
+             store_logits=True, store_dv=256, store_warps=4)
+# the largest stored-logits buffer (fp32 [T, H, slots]); 4 GiB is ~17k tokens of V4.1 (64 heads,
+# 384 window slots + 512 entries)
+STORE_MAX_BYTES = 4 << 30
 
 
 def _tiles() -> dict:
@@ -298,9 +308,12 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
     if unknown:
         raise ValueError(f"sparse_attn_prefill: unknown options {sorted(unknown)}")
     tiles.update(more)
+    T = B * S
+    slots = _window_slots(window, block, J) + K
+    store = bool(tiles["store_logits"]) and not tiles["online"] and T * H * slots * 4 <= STORE_MAX_BYTES
     hb = min(hb or tiles["hb"], max(16, _pow2_at_least(H)))
     bk = bk or tiles["bk"]
-    dv = dv or _largest_pow2_divisor(d, tiles["dv"])
+    dv = dv or _largest_pow2_divisor(d, (store and tiles["store_dv"]) or tiles["dv"])
     pow2 = lambda v: v >= 16 and not v & (v - 1)  # noqa: E731
     if (kw.shape != (B, J, d) or kpos.shape != (B, J) or pos.shape != (B, S) or sink.shape != (H,)
             or (K and (cmp is None or cmp.shape[0] != B or cmp.shape[2] != d or idx.shape != (B, S, K)))
@@ -310,7 +323,6 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
                          f"{sink.shape}, hb={hb}, bk={bk}, dv={dv}, block={block}: want [B, S, H, d], [B, S], "
                          "[B, J, d], [B, J], [B, Tc, d], [B, S, K], [H]; hb, bk, dv powers of two >= 16, dv dividing "
                          "d; block dividing S")
-    T = B * S
     dt = q.dtype
     interpret = impl == "interpret"
     gathered = interpret or gather == "xla"
@@ -325,7 +337,8 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
     geo = dict(S=S, W=window, block=block, J=J, K=K, bk=bk, scale=float(scale), gathered=gathered,
                skip_entries=bool(tiles["skip_entries"] if skip_entries is None else skip_entries),
                window_range=bool(tiles["window_range"]), entry_range=bool(tiles["entry_range"]))
-    warps, stages = num_warps or tiles["num_warps"], num_stages or tiles["num_stages"]
+    warps = num_warps or (store and tiles["store_warps"]) or tiles["num_warps"]
+    stages = num_stages or tiles["num_stages"]
     params = {} if interpret else dict(compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages))
     qt = q.reshape(T, H, d)
     if tiles["online"]:
@@ -337,10 +350,10 @@ def sparse_attn_prefill(q, pos, kw, kpos, cmp, idx, sink, scale: float, *, windo
     mgeo = dict(geo, bk=tiles["max_bk"] or bk)
     mparams = {} if interpret else dict(compiler_params=plgpu.CompilerParams(
         num_warps=tiles["max_warps"] or warps, num_stages=tiles["max_stages"] or stages))
-    lazy, store = bool(tiles["lazy"]), bool(tiles["store_logits"])
+    lazy = bool(tiles["lazy"])
     m_shape = jax.ShapeDtypeStruct((T, H), F32)
     if store:  # every key slot's logit: the window's n slots of the token's block, then the K entries
-        m_shape = (m_shape, jax.ShapeDtypeStruct((T, H, _window_slots(window, block, J) + K), F32))
+        m_shape = (m_shape, jax.ShapeDtypeStruct((T, H, slots), F32))
     m = pl.pallas_call(functools.partial(_max_kernel, hb=hb, lazy=lazy, store_logits=store, **mgeo), out_shape=m_shape,
                        grid=(T, pl.cdiv(H, hb)), interpret=interpret, name="attn_prefill_max", **mparams)(qt, *ops)
     m, lg = m if store else (m, None)
