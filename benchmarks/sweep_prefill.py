@@ -528,8 +528,11 @@ def part_mhc(key, S: int = 8192, K: int = 4 * 5120, O: int = 24):
 
 
 # session 32: the site kernel's tiles (``kernels.mhc_mix.SiteConfig`` fields; {} = SITE_TILES)
-SITE_TILES = ({}, dict(bt=128), dict(bd=128), dict(bt=128, bd=32), dict(num_stages=3), dict(bt=32, bd=128),
-              dict(bt=128, num_warps=4))
+# (rows 0-6 measured in run 42 while the defaults were bt 64 x bd 64; 7-10: one stream's expansion
+# at a time, ``seq``)
+SITE_TILES = (dict(bt=64, bd=64), dict(bt=128, bd=64), dict(bt=64, bd=128), dict(bt=128, bd=32),
+              dict(bt=64, bd=64, num_stages=3), dict(bt=32, bd=128), dict(bt=128, bd=64, num_warps=4),
+              dict(seq=True), dict(seq=True, bd=64), dict(seq=True, bt=64, bd=64), dict(seq=True, num_stages=3))
 
 
 def part_site(key, S: int = 8192, n: int = 4, D: int = 5120, O: int = 24):
@@ -679,6 +682,7 @@ def main():
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--mgpu-rows", default="", help="indices into MGPU_VARIANTS to run (default: all)")
     ap.add_argument("--attn-rows", default="", help="indices into ATTN_TILES to run (default: all)")
+    ap.add_argument("--site-rows", default="", help="indices into SITE_TILES to run (default: all)")
     ap.add_argument("--attn-ratios", default="2,1,0", help="compression ratios of the attn part (0: window only)")
     a = ap.parse_args()
     emit(what="env", jax=jax.__version__, devices=[str(d) for d in jax.devices()], args=vars(a))
@@ -690,7 +694,7 @@ def main():
         global MGPU_VARIANTS, SITE_TILES
         IMPL, INDEXER_TILES = "interpret", ({}, dict(bq=16, bt=32))
         MHC_TILES = ({}, dict(bt=16, bk=64))
-        SITE_TILES = ({}, dict(bt=16, bd=32, splits=2))
+        SITE_TILES = ({}, dict(bt=16, bd=32, splits=2), dict(bt=16, bd=32, seq=True))
         ATTN_TILES = (dict(hb=16, bk=16, dv=32), dict(hb=16, bk=16, dv=32, max_bk=32), dict(hb=16, bk=16, online=True))
         MOE_VARIANTS = ((32, 16, {}), (32, 48, dict(bo=32)), (64, 24, {}))
         MOEDQ_VARIANTS = (("int8", {}), ("int8", dict(lowp_dequant=True)), ("codes", {}), ("bf16", {}))
@@ -706,11 +710,13 @@ def main():
                  "glu": lambda k: part_glu(k, k=2, E=4, D=64, Ii=32),
                  "topk": part_topk,
                  "mgpu": lambda k: part_mgpu(k, T=48, c=32, k=2, E=4, D=256, Ii=128),
-                 "site": lambda k: part_site(k, S=80, D=64)}
+                 "site": lambda k: part_site(k, S=160, D=64)}
     if a.mgpu_rows:
         MGPU_VARIANTS = tuple(MGPU_VARIANTS[int(i)] for i in a.mgpu_rows.split(","))
     if a.attn_rows:
         ATTN_TILES = tuple(ATTN_TILES[int(i)] for i in a.attn_rows.split(","))
+    if a.site_rows:
+        SITE_TILES = tuple(SITE_TILES[int(i)] for i in a.site_rows.split(","))
     if not a.smoke:
         parts["attn"] = functools.partial(part_attn, ratios=tuple(int(r) for r in a.attn_ratios.split(",")))
     for part in a.part.split(","):

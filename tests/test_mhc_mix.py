@@ -140,6 +140,7 @@ def _site_inputs(T, n, D, seed, dyadic=False):
     (70, 4, 128, {"bt": 64, "bd": 32}),               # a partial second token block, 4 column steps
     (64, 4, 256, {"bt": 64, "bd": 64, "splits": 2}),  # two column ranges summed by XLA
     (96, 2, 64, {"bt": 32, "bd": 16}),                # n = 2
+    (70, 4, 128, {"bt": 64, "bd": 32, "seq": True}),  # one stream's expansion at a time: the same values
 ])
 def test_site_kernel_matches_the_separate_forms(T, n, D, tiles):
     """``hc_site_sums`` (one pass: the expansion of the previous site, then the mixing sums and
@@ -225,15 +226,15 @@ def test_site_paths_through_mhc(monkeypatch):
         hc_site(h, fn, scale, base, pre, norm, False, **kw)
 
 
-@pytest.mark.parametrize("expand", [False, True])
-def test_site_kernel_lowers_for_cuda(expand, triton_modules):
+@pytest.mark.parametrize("expand,seq", [(False, False), (True, False), (True, True)])
+def test_site_kernel_lowers_for_cuda(expand, seq, triton_modules):
     """``hc_site_sums`` at V4.1 sizes (8k tokens, 4 x 5120 stream, 24 outputs) lowers to one
     Triton launch for CUDA (checked without a GPU): three bf16 MMAs per stream per step, and
-    with the expansion the new stream's stores."""
+    with the expansion the new stream's stores (all streams first, or one at a time)."""
     T, n, D, O = 8192, 4, 5120, 24
     sd = jax.ShapeDtypeStruct
     kw = dict(y=sd((T, D), jnp.bfloat16), post=sd((T, n), F32), comb=sd((T, n, n), F32)) if expand else {}
-    f = jax.jit(lambda h, fn, pre, **k: M.hc_site_sums(h, fn, pre, impl="triton", **k))
+    f = jax.jit(lambda h, fn, pre, **k: M.hc_site_sums(h, fn, pre, impl="triton", seq=seq, **k))
     f.trace(sd((T, n, D), jnp.bfloat16), sd((O, n * D), F32), sd((T, n), F32), **kw).lower(
         lowering_platforms=("cuda",))
     assert [name for name, _ in triton_modules] == ["hc_site_sums" + ("_post" if expand else "")]

@@ -379,6 +379,9 @@ class SiteConfig:
     splits: int = 0
     num_warps: int = 8
     num_stages: int = 2
+    # with the expansion: each stream's new tile formed, stored and summed before the next (fewer
+    # fp32 tiles live per step; session 32, untimed) instead of all four expansions first
+    seq: bool = False
 
 
 # DSV41_MHC_SITE_TILES (JSON, e.g. '{"bt": 128}') overrides fields for tuning
@@ -415,27 +418,32 @@ def _site_kernel(*refs, cfg: SiteConfig, T: int, D: int, n: int, O: int, OP: int
         acc, ss = carry
         d0 = pl.multiple_of(dbase + dd * bd, bd)
         hs = [_load_or(h_ref.at[rows, pl.ds(k * D + d0, bd)], rmask) for k in range(n)]   # [bt, bd] each
-        if post:  # hc_post: post_k y + sum_j comb[j, k] h_j in fp32, rounded to the stream dtype
-            y = _load_or(y_ref.at[rows, pl.ds(d0, bd)], rmask).astype(F32)
+        y = _load_or(y_ref.at[rows, pl.ds(d0, bd)], rmask) if post else None
+
+        def expand(k, hf):  # hc_post: post_k y + sum_j comb[j, k] h_j in fp32, rounded to the stream dtype
+            r = co[0][k] * hf[0]
+            for j in range(1, n):
+                r = r + co[j][k] * hf[j]
+            out = (po[k] * y.astype(F32) + r).astype(h_ref.dtype)
+            _store(s_ref.at[rows, pl.ds(k * D + d0, bd)], out, rmask)
+            return out
+
+        if post and not cfg.seq:  # every stream's expansion first (four fp32 tiles live)
             hf = [v.astype(F32) for v in hs]
-            outs = []
-            for k in range(n):
-                r = co[0][k] * hf[0]
-                for j in range(1, n):
-                    r = r + co[j][k] * hf[j]
-                outs.append((po[k] * y + r).astype(h_ref.dtype))
-            for k in range(n):
-                _store(s_ref.at[rows, pl.ds(k * D + d0, bd)], outs[k], rmask)
-            hs = outs
+            hs = [expand(k, hf) for k in range(n)]
         xacc = None
         for k in range(n):
+            if post and cfg.seq:  # one stream at a time, the old stream converted where used
+                hs_k = expand(k, [hs[j].astype(F32) for j in range(n)])
+            else:
+                hs_k = hs[k]
             w = _load_or(f_ref.at[pl.ds(0, OP), pl.ds(k * D + d0, bd)], jnp.ones((OP, 1), jnp.bool_))
             dsum = None
             for part in reversed(_split3(w)):  # as _kernel: exact bf16 split, smallest first
-                p = lax.dot_general(hs[k], part, dims, preferred_element_type=F32)
+                p = lax.dot_general(hs_k, part, dims, preferred_element_type=F32)
                 dsum = p if dsum is None else dsum + p
             acc = acc + dsum
-            hf = hs[k].astype(F32)
+            hf = hs_k.astype(F32)
             ss = ss + jnp.sum(hf * hf, axis=1, keepdims=True)
             xacc = pre[k] * hf if xacc is None else xacc + pre[k] * hf
         _store(x_ref.at[rows, pl.ds(d0, bd)], xacc.astype(x_ref.dtype), rmask)
