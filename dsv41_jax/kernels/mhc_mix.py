@@ -61,6 +61,14 @@ class MixConfig:
     num_stages: int = 3
 
 
+def _check_pow2(who: str, cfg, names) -> None:
+    """One clear error for a tile field of ``cfg`` that is not a power of two >= 16."""
+    for name in names:
+        v = getattr(cfg, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{who}: {name}={v} must be a power of two >= 16")
+
+
 def hc_mix_sums_reference(x, fn):
     """``(mix [T, O], ss [T])`` fp32 in XLA: the formulation ``hc_mixes`` used before the kernel."""
     xf = x.astype(F32)
@@ -351,10 +359,7 @@ def hc_mix_sums(x, fn, *, impl: str = "auto", **tiles):
     cfg = MixConfig(**tiles)
     if not cfg.bt:
         cfg = dataclasses.replace(cfg, bt=128 if T >= 128 else MIN_BLOCK)
-    for name in ("bt", "bk"):
-        v = getattr(cfg, name)
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"hc_mix_sums: {name}={v} must be a power of two >= 16")
+    _check_pow2("hc_mix_sums", cfg, ("bt", "bk"))
     if impl == "triton" and (K % cfg.bk or not offsets_fit(x.shape, x.dtype)):
         impl = "xla"  # a K with no whole steps, or an operand the Triton lowering would misaddress
     if impl == "xla" or T == 0:
@@ -493,10 +498,7 @@ def hc_site_sums(h, fn, pre_in, *, y=None, post=None, comb=None, impl: str, **ti
                          + (f", y {y.shape}, post {post.shape}, comb {comb.shape}" if expand else "")
                          + " (expected [T, n, D], [O, n * D], [T, n], [T, D], [T, n], [T, n, n])")
     cfg = site_config(**tiles)
-    for name in ("bt", "bd"):
-        v = getattr(cfg, name)
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"hc_site_sums: {name}={v} must be a power of two >= 16")
+    _check_pow2("hc_site_sums", cfg, ("bt", "bd"))
     if not site_applies(h, D, cfg):
         raise ValueError(f"hc_site_sums: a {h.dtype} stream {h.shape} (want bf16, at least {max(MIN_BLOCK, cfg.bt)} "
                          f"tokens, D a multiple of {cfg.bd})")

@@ -83,10 +83,9 @@ def hc_mixes(h, fn, scale, base, *, hc_mult: int, iters: int, norm_eps: float, h
         rs = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + norm_eps)
         m = einsum("...i,oi->...o", x, fn.astype(F32), preferred_element_type=F32) * rs
     else:  # one pass over the stored stream (kernels.mhc_mix): the same sums in another order
-        K = h.shape[-2] * h.shape[-1]
         mix, ss = hc_mix_sums(h.reshape(-1, K), fn, impl=impl)
-        rs = jax.lax.rsqrt(ss / K + norm_eps)
-        m = (mix * rs[:, None]).reshape(*h.shape[:-2], -1)
+        return _mixes_from_sums(mix, ss, K, h.shape[:-2], scale, base, n=n, iters=iters, norm_eps=norm_eps,
+                                hc_eps=hc_eps)
     return _epilogue(m, scale, base, n, iters, hc_eps)
 
 
@@ -127,12 +126,13 @@ def hc_site(h, fn, scale, base, pre_in, norm, quantize: bool, *, hc_mult: int, i
         lead, D = h.shape[:-2], h.shape[-1]
         return ((pre.reshape(*lead, n), post.reshape(*lead, n), c.reshape(*lead, n, n)),
                 (x.reshape(*lead, D), None if xq is None else xq.reshape(*lead, D)))
-    if site_kernel_impl(h, n) is not None:  # prefill: the sums and the collapse in one pass
+    site = site_kernel_impl(h, n)
+    if site is not None:  # prefill: the sums and the collapse in one pass
         from dsv41_jax.kernels.mhc_mix import hc_site_sums
 
         lead, D = h.shape[:-2], h.shape[-1]
-        mix, ss, x = hc_site_sums(h.reshape(T, n, D), fn, pre_in.reshape(T, n), impl=site_kernel_impl(h, n))
-        return (_site_mixes(mix, ss, K, lead, scale, base, n=n, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps),
+        mix, ss, x = hc_site_sums(h.reshape(T, n, D), fn, pre_in.reshape(T, n), impl=site)
+        return (_mixes_from_sums(mix, ss, K, lead, scale, base, n=n, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps),
                 norm.with_quant(x.reshape(*lead, D), quantize))
     mixes = hc_mixes(h, fn, scale, base, hc_mult=n, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps)
     return mixes, norm.with_quant(h, quantize, mix=pre_in)
@@ -158,11 +158,11 @@ def site_kernel_impl(h, n: int):
     return impl if site_applies(h.reshape(T, n, h.shape[-1]), h.shape[-1]) else None
 
 
-def _site_mixes(mix, ss, K: int, lead, scale, base, *, n: int, iters: int, norm_eps: float, hc_eps: float):
-    """``hc_mixes`` from the kernel's sums ``mix [T, O]`` and statistic ``ss [T]`` (``K`` inputs)."""
+def _mixes_from_sums(mix, ss, K: int, lead, scale, base, *, n: int, iters: int, norm_eps: float, hc_eps: float):
+    """``hc_mixes`` from a kernel's sums ``mix [T, O]`` and statistic ``ss [T]`` over ``K`` inputs
+    (``lead``: the token dims to restore)."""
     m = (mix * jax.lax.rsqrt(ss / K + norm_eps)[:, None]).reshape(*lead, -1)
-    pre, post, c = _epilogue(m, scale, base, n, iters, hc_eps)
-    return pre, post, c
+    return _epilogue(m, scale, base, n, iters, hc_eps)
 
 
 def hc_post_site(y, h, post, comb, fn, scale, base, pre_in, norm, quantize: bool, *, hc_mult: int, iters: int,
@@ -183,7 +183,8 @@ def hc_post_site(y, h, post, comb, fn, scale, base, pre_in, norm, quantize: bool
     T = math.prod(lead)
     s, mix, ss, x = hc_site_sums(h.reshape(T, n, D), fn, pre_in.reshape(T, n), y=y.reshape(T, D),
                                  post=post.reshape(T, n), comb=comb.reshape(T, n, n), impl=impl)
-    mixes = _site_mixes(mix, ss, n * D, lead, scale, base, n=n, iters=iters, norm_eps=norm_eps, hc_eps=hc_eps)
+    mixes = _mixes_from_sums(mix, ss, n * D, lead, scale, base, n=n, iters=iters, norm_eps=norm_eps,
+                             hc_eps=hc_eps)
     return s.reshape(h.shape), mixes, norm.with_quant(x.reshape(*lead, D), quantize)
 
 
