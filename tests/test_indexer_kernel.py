@@ -83,10 +83,12 @@ def test_triton_lowering_for_cuda(dt):
     assert "indexer_scores" in text
 
 
-def test_select_of_a_long_chunk_on_the_kernel(monkeypatch):
+@pytest.mark.parametrize("topk_kernel,whole", [("0", "1"), ("interpret", "1"), ("interpret", "0")])
+def test_select_of_a_long_chunk_on_the_kernel(monkeypatch, topk_kernel, whole):
     """``Attention._select`` of a chunk long enough for query blocks: on the kernel path the whole
-    chunk's scores come from one launch and each block takes its slice; the top-k (and candidate
-    blocks) equal the XLA path's."""
+    chunk's scores come from one launch; with XLA's top-k each block takes its slice, with the
+    selection kernel (``topk_select``) the whole chunk is selected in one launch, without the
+    loop over blocks. The top-k (and candidate blocks) equal the XLA path's either way."""
     import dsv41_jax.kernels as K
 
     cfg = preset("tiny")
@@ -108,14 +110,28 @@ def test_select_of_a_long_chunk_on_the_kernel(monkeypatch):
     calls = []
     import dsv41_jax.kernels.indexer as I
 
-    real = I._pallas
+    import dsv41_jax.kernels.topk as TK
+
+    real, real_select = I._pallas, TK._select_pallas
+    selects = []
     monkeypatch.setattr(I, "_pallas", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    monkeypatch.setattr(TK, "_select_pallas", lambda *a, **k: selects.append(a[0].shape) or real_select(*a, **k))
     monkeypatch.setattr(K, "use_pallas", lambda: True)
     monkeypatch.setenv("DSV41_QMATMUL_IMPL", "interpret")
-    monkeypatch.setenv("DSV41_TOPK_KERNEL", "0")  # (else the patched use_pallas asks for the Triton top-k on the CPU)
+    # "0": XLA's top-k per query block ("1" would ask for the Triton top-k on the CPU)
+    monkeypatch.setenv("DSV41_TOPK_KERNEL", topk_kernel)
+    monkeypatch.setenv("DSV41_TOPK_WHOLE_CHUNK", whole)  # 0: the selection kernel per block too (A/B)
     assert scores_on_kernel(S)
+    loops, real_map = [], jax.lax.map
+    monkeypatch.setattr(jax.lax, "map", lambda f, xs, **k: loops.append(xs.shape) or real_map(f, xs, **k))
     got = att._select(x, qr, pos, dict(ctx), None)
     assert calls == [(B, S, t.index_n_heads, t.index_head_dim)]  # one launch for the whole chunk
+    if topk_kernel == "0":
+        assert selects == [] and loops == [(S // 256,)]  # XLA's top-k in a loop over the query blocks
+    elif whole == "0":
+        assert selects == [(256, T)] and loops == [(S // 256,)]  # traced once, inside the loop
+    else:
+        assert selects == [(B * S, T)] and loops == []  # every row in one launch, no loop
     np.testing.assert_array_equal(np.asarray(got["topk"]), np.asarray(want["topk"]))
     np.testing.assert_array_equal(np.asarray(got["cand"]), np.asarray(want["cand"]))
     assert np.sum(np.asarray(got["topk"]) >= 0) > S  # entries were selected

@@ -19,7 +19,7 @@ from flax import nnx
 
 from dsv41_jax.config import LayerPlan, TextConfig
 from dsv41_jax.model.layers import (Linear, RMSNorm, einsum, einsum_rounded, fusable_linears, fused_linears,
-                                   top_k_indices_ascending, top_k_mask)
+                                   top_k_indices_ascending, top_k_mask, topk_route)
 from dsv41_jax.model.rope import layer_inv_freq, rope_tail
 from dsv41_jax.numerics import Numerics
 from dsv41_jax import quant
@@ -210,6 +210,17 @@ def scores_on_kernel(S: int) -> bool:
 WHOLE_SCORES_BYTES = 1 << 30
 
 
+def topk_whole_chunk() -> bool:
+    """Whether whole-chunk scores are also selected in one top-k launch where the selection
+    kernel takes them (``DSV41_TOPK_WHOLE_CHUNK``: 1, the default; 0 = one launch per query block
+    inside a loop, as before session 33, for A/B runs). The same indices either way; read at
+    trace time."""
+    mode = os.environ.get("DSV41_TOPK_WHOLE_CHUNK", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"DSV41_TOPK_WHOLE_CHUNK={mode!r}: use 1 (one launch, the default) or 0 (per query block)")
+    return mode == "1"
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: TextConfig, plan: LayerPlan, numerics: Numerics):
         self.cfg_rope_dim = cfg.qk_rope_head_dim
@@ -310,9 +321,14 @@ class Attention(nnx.Module):
                 sl = lambda a: None if a is None else jax.lax.dynamic_slice_in_dim(a, i * bq, bq, axis=1)  # noqa: E731
                 return one(sl(x), sl(qr), sl(pos), sl(cand_in), sl(iq), sl(whole))
 
-            idx, cand = jax.lax.map(body, jnp.arange(S // bq))
-            merge = lambda a: None if a is None else jnp.moveaxis(a, 0, 1).reshape(B, S, *a.shape[3:])  # noqa: E731
-            idx, cand = merge(idx), merge(cand)
+            if whole is not None and topk_route(B * S, T, k)[1] == "select" and topk_whole_chunk():
+                # the selection kernel takes every row in one launch: no loop of S / bq small
+                # launches (with their slices and updates: ~130 kernels per 8k chunk)
+                idx, cand = one(x, qr, pos, cand_in, iq, whole)
+            else:
+                idx, cand = jax.lax.map(body, jnp.arange(S // bq))
+                merge = lambda a: None if a is None else jnp.moveaxis(a, 0, 1).reshape(B, S, *a.shape[3:])  # noqa: E731
+                idx, cand = merge(idx), merge(cand)
         ctx = dict(ctx)
         if src:
             ctx["cand"] = cand

@@ -426,18 +426,32 @@ def top_k_indices_ascending(x, k: int):
     entries from the ranking kernel ``kernels.topk.topk_ascending``, more rows (prefill, large
     batches) of at most ``kernels.topk.SELECT_MAX_ENTRIES`` from ``kernels.topk.topk_select``;
     otherwise XLA. The result is the same either way."""
+    from dsv41_jax.kernels.topk import topk_ascending, topk_select
+
+    impl, form = topk_route(math.prod(x.shape[:-1]), x.shape[-1], k)
+    if form == "rank":
+        return topk_ascending(x, k, impl=impl)
+    if form == "select":
+        return topk_select(x, k, impl=impl)
+    return _top_k_indices_ascending_xla(x, k)
+
+
+def topk_route(rows: int, T: int, k: int):
+    """``(impl, form)``: how ``top_k_indices_ascending`` selects ``k`` of ``T`` entries in each of
+    ``rows`` rows: ``form`` "rank" (``kernels.topk.topk_ascending``), "select"
+    (``kernels.topk.topk_select``: one program per row, so any number of rows in one launch) or
+    "xla"; ``impl`` the kernel's implementation (None for XLA). Read at trace time."""
     from dsv41_jax.kernels import kernel_switch
-    from dsv41_jax.kernels.topk import MAX_ENTRIES, MAX_ROWS, SELECT_MAX_ENTRIES, topk_ascending, topk_select
+    from dsv41_jax.kernels.topk import MAX_ENTRIES, MAX_ROWS, SELECT_MAX_ENTRIES
 
     impl = kernel_switch("DSV41_TOPK_KERNEL")
-    T = x.shape[-1]
     if impl is not None and 0 < k <= T:
-        if math.prod(x.shape[:-1]) <= MAX_ROWS:
+        if rows <= MAX_ROWS:
             if T <= MAX_ENTRIES:
-                return topk_ascending(x, k, impl=impl)
+                return impl, "rank"
         elif T <= SELECT_MAX_ENTRIES:
-            return topk_select(x, k, impl=impl)
-    return _top_k_indices_ascending_xla(x, k)
+            return impl, "select"
+    return None, "xla"
 
 
 def _top_k_indices_ascending_xla(x, k: int):
