@@ -614,7 +614,9 @@ ATTN_TILES = ({}, dict(max_bk=32, max_warps=8), dict(max_bk=128), dict(max_stage
               dict(store_logits=True, dv=512, num_warps=8), dict(store_logits=True, dv=256, num_warps=4),
               dict(store_logits=True, dv=128, num_warps=4), dict(store_logits=True, dv=256, num_warps=4, bk=64),
               # (21) the logits recomputed by the output launch (the default before session 32)
-              dict(store_logits=False))
+              dict(store_logits=False),
+              # (22-) session 33: the max launch's tiles again, now that it also stores the logits
+              dict(max_bk=32), dict(max_bk=128, max_warps=8), dict(max_bk=32, max_stages=3))
 
 
 def part_attn(key, S: int = 8192, H: int = 64, d: int = 512, W: int = 128, K: int = 512, block: int = 256,
