@@ -333,22 +333,37 @@ def _executable(kind: str, graphdef, args: tuple, mesh=None, opts: tuple = ()):
     streamed loop feeds its own output back without a reshard, and the MoE traces its
     expert-parallel path under the mesh."""
     leaves, tree = jax.tree.flatten(args)
-    key = (kind, opts, graphdef, tree, tuple(_aval_key(x) for x in leaves), mesh)
+    copts = _compiler_options(kind)
+    key = (kind, opts, graphdef, tree, tuple(_aval_key(x) for x in leaves), mesh, tuple(sorted(copts.items())))
     ex = _EXECUTABLES.get(key)
     if ex is not None:
         return ex, 0.0
     t0 = time.perf_counter()
     if mesh is None:
-        ex = _generation_jit(kind, graphdef, opts=opts).lower(*args).compile()
+        ex = _generation_jit(kind, graphdef, opts=opts).lower(*args).compile(copts or None)
     else:
         out = jax.tree.map(lambda x: x.sharding, (args[1], args[8]) if kind == "prefill" else args[1])
         with shd.use_mesh(mesh):
-            ex = _generation_jit(kind, graphdef, out, opts).lower(*args).compile()
+            ex = _generation_jit(kind, graphdef, out, opts).lower(*args).compile(copts or None)
     dt = time.perf_counter() - t0
     _EXECUTABLES[key] = ex
     _STATS["compiles"] += 1
     _STATS["compile_s"] += dt
     return ex, dt
+
+
+def _compiler_options(kind: str) -> dict:
+    """XLA options of one generation executable. ``DSV41_PREFILL_GRAPHS=0`` compiles the prefill
+    without XLA's command buffers (CUDA graphs) on a GPU: each call of a graph executable first
+    updates the graph for the call's new buffers (the prompt, the fresh cache, the outputs) while
+    the GPU waits, where plain launches let the GPU start at once and the host stay ahead of
+    long kernels. Read at compile time (part of the executable cache's key)."""
+    mode = os.environ.get("DSV41_PREFILL_GRAPHS", "1")
+    if mode not in ("0", "1"):
+        raise ValueError(f"DSV41_PREFILL_GRAPHS={mode!r}: use 1 (XLA's command buffers, the default) or 0")
+    if kind == "prefill" and mode == "0" and jax.default_backend() == "gpu":
+        return {"xla_gpu_enable_command_buffer": ""}
+    return {}
 
 
 def compile_stats() -> dict:

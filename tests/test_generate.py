@@ -373,3 +373,24 @@ def test_query_rope_in_place_prefill_only(model, prompts, monkeypatch):
     monkeypatch.setenv("DSV41_ROPE_Q_IN_PLACE", "2")
     with pytest.raises(ValueError, match="DSV41_ROPE_Q_IN_PLACE"):
         run(16)
+
+
+def test_prefill_graph_switch(model, prompts, greedy, monkeypatch):
+    """``DSV41_PREFILL_GRAPHS=0`` asks XLA for a prefill executable without command buffers on a
+    GPU (nothing elsewhere, nor for the decode loop): a separate cache entry, the same tokens."""
+    assert G._compiler_options("prefill") == {} and G._compiler_options("loop") == {}
+    monkeypatch.setenv("DSV41_PREFILL_GRAPHS", "0")
+    assert G._compiler_options("prefill") == {}  # on the CPU: no GPU option to set
+    with monkeypatch.context() as m:
+        m.setattr(jax, "default_backend", lambda: "gpu")
+        assert G._compiler_options("prefill") == {"xla_gpu_enable_command_buffer": ""}
+        assert G._compiler_options("loop") == {}
+        m.setenv("DSV41_PREFILL_GRAPHS", "off")
+        with pytest.raises(ValueError, match="DSV41_PREFILL_GRAPHS"):
+            G._compiler_options("prefill")
+    # the executable's cache key holds the options: switching them compiles again; the same tokens
+    monkeypatch.setattr(G, "_compiler_options", lambda kind: {"xla_gpu_enable_command_buffer": ""} if kind == "prefill" else {})
+    before = G.compile_stats()["compiles"]
+    out = G.generate(model, prompts, max_new_tokens=NEW, stop_ids=(), buckets=BK)
+    assert G.compile_stats()["compiles"] > before  # not the cached executable of the default
+    assert out.tokens == greedy.tokens
