@@ -358,10 +358,10 @@ def _compiler_options(kind: str) -> dict:
     updates the graph for the call's new buffers (the prompt, the fresh cache, the outputs) while
     the GPU waits, where plain launches let the GPU start at once and the host stay ahead of
     long kernels. Read at compile time (part of the executable cache's key)."""
-    mode = os.environ.get("DSV41_PREFILL_GRAPHS", "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"DSV41_PREFILL_GRAPHS={mode!r}: use 1 (XLA's command buffers, the default) or 0")
-    if kind == "prefill" and mode == "0" and jax.default_backend() == "gpu":
+    from dsv41_jax.kernels import env_switch
+
+    graphs = env_switch("DSV41_PREFILL_GRAPHS", on="XLA's command buffers")
+    if kind == "prefill" and not graphs and jax.default_backend() == "gpu":
         return {"xla_gpu_enable_command_buffer": ""}
     return {}
 

@@ -41,15 +41,21 @@ def compute_capability() -> float:
         return 0.0
 
 
+def env_switch(var: str, default: str = "1", on: str = "on") -> bool:
+    """An on/off environment switch read at trace or compile time: ``1`` or ``0`` (``default``
+    when unset); any other value is one clear error naming the variable (``on``: what 1 means)."""
+    mode = os.environ.get(var, default)
+    if mode not in ("0", "1"):
+        raise ValueError(f"{var}={mode!r}: use 1 ({on}) or 0; default {default}")
+    return mode == "1"
+
+
 def fused_launches() -> bool:
     """Whether projections that read the same input share one kernel launch
     (``grouped_qmatmul_fused``: the routed experts' w1 and w3, the fp8 Linears of
     ``layers.fused_linears``). ``DSV41_FUSED_LAUNCH=0`` turns it off (separate launches, for A/B
     runs); read at trace time."""
-    mode = os.environ.get("DSV41_FUSED_LAUNCH", "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"DSV41_FUSED_LAUNCH={mode!r}: use 1 (fused, the default) or 0")
-    return mode == "1"
+    return env_switch("DSV41_FUSED_LAUNCH", on="fused launches")
 
 
 def auto_split(*axes: str) -> bool:

@@ -51,12 +51,9 @@ def glu_kernel() -> bool:
     (``DSV41_MOE_GLU``: 1, the default, or 0: XLA's gather, the ``grouped_qmatmul_fused`` launch
     and XLA's SwiGLU, for A/B runs); read at trace time. Either way the kernels' implementation
     is ``kernel_impl()``'s."""
-    import os
+    from dsv41_jax.kernels import env_switch
 
-    mode = os.environ.get("DSV41_MOE_GLU", "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"DSV41_MOE_GLU={mode!r}: use 1 (the kernel, the default) or 0")
-    return mode == "1"
+    return env_switch("DSV41_MOE_GLU", on="the kernel")
 
 
 def gather_kernel() -> bool:

@@ -11,7 +11,6 @@ candidate mask) goes through the ``ctx`` dict of the current forward.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -36,11 +35,9 @@ def rope_in_place(site: str) -> bool:
     output, not a slice of a fused launch's (``DSV41_ROPE_Q_IN_PLACE``; 79.1 -> 78.1 ms, run 29;
     one-token steps keep the concatenation: ``rope_tail``,
     ``benchmarks/repro_xla_cpu_inplace_dus.py``). 1 (the default) or 0; read at trace time."""
-    var = {"out": "DSV41_ROPE_OUT_IN_PLACE", "q": "DSV41_ROPE_Q_IN_PLACE"}[site]
-    mode = os.environ.get(var, "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"{var}={mode!r}: use 0 or 1")
-    return mode == "1"
+    from dsv41_jax.kernels import env_switch
+
+    return env_switch({"out": "DSV41_ROPE_OUT_IN_PLACE", "q": "DSV41_ROPE_Q_IN_PLACE"}[site], on="in place")
 
 
 def _scatter_rows(buf, idx, vals):
@@ -197,12 +194,10 @@ def scores_on_kernel(S: int) -> bool:
     single-token decode keeps XLA's small fusions), and not under a mesh whose partitioner would
     have to gather the kernel's operands (``kernels.auto_split``). ``DSV41_INDEXER_KERNEL=0``
     keeps XLA (A/B runs); read at trace time."""
-    from dsv41_jax.kernels import auto_split, use_pallas
+    from dsv41_jax.kernels import auto_split, env_switch, use_pallas
 
-    mode = os.environ.get("DSV41_INDEXER_KERNEL", "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"DSV41_INDEXER_KERNEL={mode!r}: use 1 (the kernel where it applies, the default) or 0")
-    return mode == "1" and S >= 8 and use_pallas() and not auto_split()
+    on = env_switch("DSV41_INDEXER_KERNEL", on="the kernel where it applies")
+    return on and S >= 8 and use_pallas() and not auto_split()
 
 
 # a chunk's indexer scores are formed in one kernel call when they take at most this many bytes
@@ -215,10 +210,9 @@ def topk_whole_chunk() -> bool:
     kernel takes them (``DSV41_TOPK_WHOLE_CHUNK``: 1, the default; 0 = one launch per query block
     inside a loop, as before session 33, for A/B runs). The same indices either way; read at
     trace time."""
-    mode = os.environ.get("DSV41_TOPK_WHOLE_CHUNK", "1")
-    if mode not in ("0", "1"):
-        raise ValueError(f"DSV41_TOPK_WHOLE_CHUNK={mode!r}: use 1 (one launch, the default) or 0 (per query block)")
-    return mode == "1"
+    from dsv41_jax.kernels import env_switch
+
+    return env_switch("DSV41_TOPK_WHOLE_CHUNK", on="one launch; 0: per query block")
 
 
 class Attention(nnx.Module):
