@@ -700,10 +700,11 @@ def prefill_flops(model, cfg, S: int) -> float:
     return 2.0 * S * (dense + routed + mhc) + att + 2.0 * t.vocab_size * t.hidden_size
 
 
-def bench_prefill(model, cfg, lengths, mm_tflop_s=None, batch: int = 1):
+def bench_prefill(model, cfg, lengths, mm_tflop_s=None, batch: int = 1, reuse: bool = False):
     """One prompt of S tokens through ``generate``'s prefill executable (the whole prompt as one
     chunk, logits at the last position only); a sharded model runs as ``generate`` runs it.
-    ``first_call_s`` includes the compile (``compile_s``)."""
+    ``first_call_s`` includes the compile (``compile_s``). ``reuse``: also a ``prefill_reused``
+    row (:func:`_prefill_reused`)."""
     from dsv41_jax.generate import _executable, _placed, _split_flat, clear_compiled
     from dsv41_jax.sharding import mesh_of
 
@@ -741,10 +742,45 @@ def bench_prefill(model, cfg, lengths, mm_tflop_s=None, batch: int = 1):
                 n_dev = 1 if mesh is None else mesh.size
                 row.update(mfu=fl / run / (mm_tflop_s * 1e12 * n_dev))
             emit(**row)
+            if reuse:
+                _prefill_reused(fn, args(), row, lambda: model.init_cache(batch, S), lg)
             fn = None
             clear_compiled()
         except Exception as e:
             emit(what="prefill", tokens=S, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def _prefill_reused(fn, a, row, fresh_cache, logits):
+    """The same prefill with every argument at the same device address in each timed call: the
+    prompt's arrays kept, the donated cache and pending logits refilled in place (a donated reset
+    outside the timing) from the previous call's outputs. Against the ``prefill`` row (new buffers
+    per call) it shows what XLA's command buffers cost when their CUDA graphs must be updated for
+    new addresses (session 34's question); the emitted row copies ``row``'s sizes, and says whether
+    the addresses held (``cache_addresses``: distinct address tuples, 1 when they did) and whether
+    the refilled cache gave the fresh cache's ``logits`` (``same_logits``)."""
+    def refill(old, new):  # written into the donated buffer (a plain new value would get a new one)
+        return jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0,) * old.ndim)
+
+    reset = jax.jit(lambda c, p: (jax.tree.map(refill, c, fresh_cache()), refill(p, jnp.zeros_like(p))),
+                    donate_argnums=(0, 1))
+    cache, prev = a[1], a[8]
+    ts, addrs = [], set()
+    for i in range(4):
+        cache, prev = reset(cache, prev)
+        jax.block_until_ready((cache, prev))
+        addrs.add(tuple(x.unsafe_buffer_pointer() for x in jax.tree.leaves((cache, prev))))
+        t1 = time.perf_counter()
+        cache, prev = fn(a[0], cache, *a[2:8], prev)
+        jax.block_until_ready(prev)
+        if i:  # the first call may still move a buffer
+            ts.append(time.perf_counter() - t1)
+    run = float(np.median(ts))
+    same = bool(np.array_equal(np.asarray(prev), np.asarray(logits)))
+    out = dict(row, what="prefill_reused", seconds=run, tokens_per_s=row["tokens_per_s"] * row["seconds"] / run,
+               cache_addresses=len(addrs), same_logits=same, first_call_s=None, compile_s=None)
+    if "mfu" in row:
+        out["mfu"] = row["mfu"] * row["seconds"] / run
+    emit(**out)
 
 
 def bench_vit(model, cfg, tokens, modes=("fp32", "bf16")):
@@ -879,6 +915,8 @@ def main():
     ap.add_argument("--prefill-variants", default="",
                     help="';'-separated env settings (e.g. 'DSV41_MOE_CHUNK=128;DSV41_INDEXER_KERNEL=0'): the "
                          "prefill again under each, in this process")
+    ap.add_argument("--prefill-reuse", action="store_true",
+                    help="also time each prefill with its arguments at the same addresses in every call")
     ap.add_argument("--prefill-routing", default="", help="prompt lengths whose per-layer expert loads to report")
     ap.add_argument("--router", default="balanced", choices=("balanced", "random", "ab"),
                     help="balanced (default since run 19): the random routers' biases balanced on a calibration "
@@ -960,11 +998,12 @@ def main():
                 bench_decode(model, cfg, batches, a.ctx, moe_path=pth, copy_tb_s=copy_tb_s)
             os.environ["DSV41_MOE_PATH"] = "auto"
     if "prefill" not in skip:
-        bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)
+        bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s, reuse=a.prefill_reuse)
         for v in [v for v in a.prefill_variants.split(";") if v]:  # same process, same weights
             with variant(f"{a.tag} {v}".strip(), _env_pairs(v)):
                 apply_expert_layout(model)
-                bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s)  # compiles afresh
+                bench_prefill(model, cfg, [int(s) for s in a.prefill.split(",")], mm_tflop_s,
+                              reuse=a.prefill_reuse)  # compiles afresh
             apply_expert_layout(model)  # the default layout again
         if mm_tflop_s:
             matmul_ceiling(when="after_prefill")
