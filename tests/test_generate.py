@@ -376,15 +376,19 @@ def test_query_rope_in_place_prefill_only(model, prompts, monkeypatch):
 
 
 def test_prefill_graph_switch(model, prompts, greedy, monkeypatch):
-    """``DSV41_PREFILL_GRAPHS=0`` asks XLA for a prefill executable without command buffers on a
-    GPU (nothing elsewhere, nor for the decode loop): a separate cache entry, the same tokens."""
-    assert G._compiler_options("prefill") == {} and G._compiler_options("loop") == {}
-    monkeypatch.setenv("DSV41_PREFILL_GRAPHS", "0")
-    assert G._compiler_options("prefill") == {}  # on the CPU: no GPU option to set
+    """On a GPU the prefill executable is compiled without command buffers by default
+    (``DSV41_PREFILL_GRAPHS=1`` keeps them); nothing is asked elsewhere, nor for the decode loop;
+    the other setting is a separate cache entry with the same tokens."""
+    monkeypatch.delenv("DSV41_PREFILL_GRAPHS", raising=False)
+    assert G._compiler_options("prefill") == {} and G._compiler_options("loop") == {}  # on the CPU: no GPU option
     with monkeypatch.context() as m:
         m.setattr(jax, "default_backend", lambda: "gpu")
         assert G._compiler_options("prefill") == {"xla_gpu_enable_command_buffer": ""}
         assert G._compiler_options("loop") == {}
+        m.setenv("DSV41_PREFILL_GRAPHS", "1")
+        assert G._compiler_options("prefill") == {}
+        m.setenv("DSV41_PREFILL_GRAPHS", "0")
+        assert G._compiler_options("prefill") == {"xla_gpu_enable_command_buffer": ""}
         m.setenv("DSV41_PREFILL_GRAPHS", "off")
         with pytest.raises(ValueError, match="DSV41_PREFILL_GRAPHS"):
             G._compiler_options("prefill")
