@@ -333,7 +333,7 @@ def _executable(kind: str, graphdef, args: tuple, mesh=None, opts: tuple = ()):
     streamed loop feeds its own output back without a reshard, and the MoE traces its
     expert-parallel path under the mesh."""
     leaves, tree = jax.tree.flatten(args)
-    copts = _compiler_options(kind)
+    copts = _compiler_options(kind, int(np.prod(args[2].shape)) if kind == "prefill" else 0)
     key = (kind, opts, graphdef, tree, tuple(_aval_key(x) for x in leaves), mesh, tuple(sorted(copts.items())))
     ex = _EXECUTABLES.get(key)
     if ex is not None:
@@ -352,18 +352,25 @@ def _executable(kind: str, graphdef, args: tuple, mesh=None, opts: tuple = ()):
     return ex, dt
 
 
-def _compiler_options(kind: str) -> dict:
-    """XLA options of one generation executable. On a GPU the prefill is compiled without XLA's
-    command buffers (CUDA graphs) by default: each call of a graph executable first updates the
-    graph for the call's new buffers (the prompt, the fresh cache, the outputs) while the GPU
-    waits, where plain launches let the GPU start at once and the host stay ahead of the prefill's
-    long kernels (run 44, H100, 2-layer slice: 8k prompt 40.5-41.9 ms against 41.2-43.6 with the
-    graphs, 2k 22.8 against 23.4-23.6). ``DSV41_PREFILL_GRAPHS=1`` keeps the graphs. The decode
-    loop always keeps them: its many short kernels need them (run 14). Read at compile time (part
-    of the executable cache's key)."""
-    from dsv41_jax.kernels import env_switch
+PREFILL_GRAPHS_BELOW = 2048  # prompt tokens per prefill call (batch x chunk) from which graphs are off
 
-    graphs = env_switch("DSV41_PREFILL_GRAPHS", default="0", on="XLA's command buffers")
+
+def _compiler_options(kind: str, tokens: int = 0) -> dict:
+    """XLA options of one generation executable. On a GPU a prefill of ``tokens`` >=
+    ``PREFILL_GRAPHS_BELOW`` (batch x chunk) is compiled without XLA's command buffers (CUDA
+    graphs): each call of a graph executable first updates the graph for the call's new buffers
+    (the prompt, the fresh cache, the outputs) while the GPU waits, where plain launches let the
+    GPU start at once and the host stay ahead of the prefill's long kernels (run 44, H100, 2-layer
+    slice: 8k prompt 40.5-41.9 ms against 41.2-43.6 with the graphs, 2k 22.8 against 23.4-23.6).
+    Smaller prefills keep the graphs: their short kernels could leave the host behind, and run 44
+    measured nothing below 2k. ``DSV41_PREFILL_GRAPHS=1`` keeps the graphs for every prefill, ``0``
+    drops them for every prefill. The decode loop always keeps them: its many short kernels need
+    them (run 14). Read at compile time (part of the executable cache's key)."""
+    mode = os.environ.get("DSV41_PREFILL_GRAPHS", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"DSV41_PREFILL_GRAPHS={mode!r}: use auto (no command buffers from "
+                         f"{PREFILL_GRAPHS_BELOW} prompt tokens per call), 1 (always) or 0 (never)")
+    graphs = mode == "1" or (mode == "auto" and tokens < PREFILL_GRAPHS_BELOW)
     if kind == "prefill" and not graphs and jax.default_backend() == "gpu":
         return {"xla_gpu_enable_command_buffer": ""}
     return {}

@@ -376,24 +376,35 @@ def test_query_rope_in_place_prefill_only(model, prompts, monkeypatch):
 
 
 def test_prefill_graph_switch(model, prompts, greedy, monkeypatch):
-    """On a GPU the prefill executable is compiled without command buffers by default
-    (``DSV41_PREFILL_GRAPHS=1`` keeps them); nothing is asked elsewhere, nor for the decode loop;
-    the other setting is a separate cache entry with the same tokens."""
+    """On a GPU a prefill of ``PREFILL_GRAPHS_BELOW`` or more prompt tokens per call is compiled
+    without command buffers by default, a smaller one with them (``DSV41_PREFILL_GRAPHS=1``: always
+    with, ``0``: always without); nothing is asked elsewhere, nor for the decode loop; the other
+    setting is a separate cache entry with the same tokens."""
+    big, small = G.PREFILL_GRAPHS_BELOW, G.PREFILL_GRAPHS_BELOW - 1
+    no_graphs = {"xla_gpu_enable_command_buffer": ""}
     monkeypatch.delenv("DSV41_PREFILL_GRAPHS", raising=False)
-    assert G._compiler_options("prefill") == {} and G._compiler_options("loop") == {}  # on the CPU: no GPU option
+    assert G._compiler_options("prefill", big) == {} and G._compiler_options("loop") == {}  # on the CPU: no GPU option
     with monkeypatch.context() as m:
         m.setattr(jax, "default_backend", lambda: "gpu")
-        assert G._compiler_options("prefill") == {"xla_gpu_enable_command_buffer": ""}
+        assert G._compiler_options("prefill", big) == no_graphs
+        assert G._compiler_options("prefill", small) == {}
         assert G._compiler_options("loop") == {}
         m.setenv("DSV41_PREFILL_GRAPHS", "1")
-        assert G._compiler_options("prefill") == {}
+        assert G._compiler_options("prefill", big) == {} and G._compiler_options("prefill", small) == {}
         m.setenv("DSV41_PREFILL_GRAPHS", "0")
-        assert G._compiler_options("prefill") == {"xla_gpu_enable_command_buffer": ""}
+        assert G._compiler_options("prefill", big) == no_graphs == G._compiler_options("prefill", small)
+        assert G._compiler_options("loop") == {}
         m.setenv("DSV41_PREFILL_GRAPHS", "off")
         with pytest.raises(ValueError, match="DSV41_PREFILL_GRAPHS"):
-            G._compiler_options("prefill")
+            G._compiler_options("prefill", big)
+    with monkeypatch.context() as m:  # generate asks with the prefill call's batch x chunk: 4 x 16 here
+        seen = []
+        real = G._compiler_options
+        m.setattr(G, "_compiler_options", lambda kind, tokens=0: seen.append((kind, tokens)) or real(kind, tokens))
+        G.generate(model, prompts, max_new_tokens=NEW, stop_ids=(), buckets=BK)
+        assert ("prefill", 4 * 16) in seen and all(t == 0 for k, t in seen if k != "prefill")
     # the executable's cache key holds the options: switching them compiles again; the same tokens
-    monkeypatch.setattr(G, "_compiler_options", lambda kind: {"xla_gpu_enable_command_buffer": ""} if kind == "prefill" else {})
+    monkeypatch.setattr(G, "_compiler_options", lambda kind, tokens=0: no_graphs if kind == "prefill" else {})
     before = G.compile_stats()["compiles"]
     out = G.generate(model, prompts, max_new_tokens=NEW, stop_ids=(), buckets=BK)
     assert G.compile_stats()["compiles"] > before  # not the cached executable of the default
