@@ -368,8 +368,8 @@ def _compiler_options(kind: str, tokens: int = 0) -> dict:
     them (run 14). Read at compile time (part of the executable cache's key)."""
     mode = os.environ.get("DSV41_PREFILL_GRAPHS", "auto")
     if mode not in ("auto", "0", "1"):
-        raise ValueError(f"DSV41_PREFILL_GRAPHS={mode!r}: use auto (no command buffers from "
-                         f"{PREFILL_GRAPHS_BELOW} prompt tokens per call), 1 (always) or 0 (never)")
+        raise ValueError(f"DSV41_PREFILL_GRAPHS={mode!r}: use auto (command buffers below "
+                         f"{PREFILL_GRAPHS_BELOW} prompt tokens per call), 1 (for every prefill) or 0 (for none)")
     graphs = mode == "1" or (mode == "auto" and tokens < PREFILL_GRAPHS_BELOW)
     if kind == "prefill" and not graphs and jax.default_backend() == "gpu":
         return {"xla_gpu_enable_command_buffer": ""}
