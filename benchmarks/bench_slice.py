@@ -726,7 +726,7 @@ def bench_prefill(model, cfg, lengths, mm_tflop_s=None, batch: int = 1, reuse: b
             jax.block_until_ready(lg)
             first = time.perf_counter() - t0
             ts = []
-            for _ in range(3):
+            for _ in range(5):  # the median of five (run 44: a process's first rows read 0.4-0.7 ms slow)
                 a = args()
                 jax.block_until_ready(a[1:])
                 t1 = time.perf_counter()
@@ -736,7 +736,8 @@ def bench_prefill(model, cfg, lengths, mm_tflop_s=None, batch: int = 1, reuse: b
             run = float(np.median(ts))
             fl = batch * prefill_flops(model, cfg, S)
             row = dict(what="prefill", tokens=S, batch=batch, layers=cfg.text.num_hidden_layers, seconds=run,
-                       first_call_s=first, compile_s=compile_s, tokens_per_s=batch * S / run, flops=fl,
+                       each_s=[round(t, 6) for t in ts], first_call_s=first, compile_s=compile_s,
+                       tokens_per_s=batch * S / run, flops=fl,
                        kernels=_kernels(), mesh=None if mesh is None else list(mesh.shape.values()))
             if mm_tflop_s:
                 n_dev = 1 if mesh is None else mesh.size
@@ -776,7 +777,7 @@ def _prefill_reused(fn, a, row, fresh_cache, logits):
             ts.append(time.perf_counter() - t1)
     run = float(np.median(ts))
     same = bool(np.array_equal(np.asarray(prev), np.asarray(logits)))
-    out = dict(row, what="prefill_reused", seconds=run, tokens_per_s=row["tokens_per_s"] * row["seconds"] / run,
+    out = dict(row, what="prefill_reused", seconds=run, each_s=[round(t, 6) for t in ts], tokens_per_s=row["tokens_per_s"] * row["seconds"] / run,
                cache_addresses=len(addrs), same_logits=same, first_call_s=None, compile_s=None)
     if "mfu" in row:
         out["mfu"] = row["mfu"] * row["seconds"] / run
