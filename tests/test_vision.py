@@ -393,14 +393,15 @@ def test_tower_in_parts_equals_one_executable(monkeypatch):
         for a, b in zip(got["1"], got["2"]):
             np.testing.assert_array_equal(a, b)
     monkeypatch.delenv("DSV41_VIT_PARTS")
-    assert len(V.tower_parts(32)) == V.DEFAULT_VIT_PARTS
+    assert V.DEFAULT_VIT_PARTS == 4 and V.tower_parts(32) == ((0, 2), (2, 8), (8, 20), (20, 32))  # run 45
     for k, want in (("1", ((0, 32),)), ("4", ((0, 2), (2, 8), (8, 20), (20, 32))),
                     ("6", ((0, 2), (2, 8), (8, 14), (14, 20), (20, 26), (26, 32)))):
         monkeypatch.setenv("DSV41_VIT_PARTS", k)
         assert V.tower_parts(32) == want
-    monkeypatch.setenv("DSV41_VIT_PARTS", "0")
-    with pytest.raises(ValueError, match="DSV41_VIT_PARTS"):
-        V.tower_parts(32)
+    for bad in ("0", "four"):
+        monkeypatch.setenv("DSV41_VIT_PARTS", bad)
+        with pytest.raises(ValueError, match="DSV41_VIT_PARTS"):
+            V.tower_parts(32)
 
 
 # ------------------------------------------------------------------------------ data parallel

@@ -402,9 +402,11 @@ def device_patches(patches, n_valid):
     return jnp.where(live, x, jnp.zeros((), x.dtype))
 
 
-# one executable: the parts were timed in run 39 (H100) and gave nothing (44.2 ms per
-# encode_images call of a 961-token image with 1, 4 or 6 parts; predicted ~5 ms less)
-DEFAULT_VIT_PARTS = 1
+# four executables: run 45 (session 35, H100, bench_slice's `vit` row, six processes alternating)
+# timed encode_images on a 961-token image at 45.8-47.4 ms in 4 parts against 50.7-51.7 ms in one
+# (the tower's kernels ~42 ms either way: the parts hide the next executable's preparation); run
+# 39's probe_vit_gap.py, one process, had seen no difference (44.2 ms both)
+DEFAULT_VIT_PARTS = 4
 
 
 def tower_parts(n_layers: int) -> tuple[tuple[int, int], ...]:
@@ -414,11 +416,16 @@ def tower_parts(n_layers: int) -> tuple[tuple[int, int], ...]:
     the 32-block tower's ~570 kernels (run 38, H100), and the GPU waits for it. In parts, each
     next part is prepared while the GPU runs the previous one: the first part is short (2 blocks)
     so the GPU starts early, the later ones longer (2, 6, then the rest in equal parts; 4 parts:
-    0-2, 2-8, 8-20, 20-32). Run 39: the GPU does start earlier, but the host's dispatch stays on
-    the critical path, so the call is no faster."""
-    k = int(os.environ.get("DSV41_VIT_PARTS", str(DEFAULT_VIT_PARTS)))
+    0-2, 2-8, 8-20, 20-32). Run 45: 4 parts take 4-5 ms less per call than one (see
+    ``DEFAULT_VIT_PARTS``); the values are bit-equal whatever the parts."""
+    raw = os.environ.get("DSV41_VIT_PARTS", str(DEFAULT_VIT_PARTS))
+    try:
+        k = int(raw)
+    except ValueError:
+        k = 0
     if k < 1:
-        raise ValueError(f"DSV41_VIT_PARTS={k}: at least 1")
+        raise ValueError(f"DSV41_VIT_PARTS={raw!r}: a whole number of executables, at least 1 (default "
+                         f"{DEFAULT_VIT_PARTS})")
     edges = [0]
     for size in (2, 6):
         if len(edges) < k and edges[-1] + size < n_layers:
