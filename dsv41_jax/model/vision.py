@@ -416,7 +416,7 @@ def tower_parts(n_layers: int) -> tuple[tuple[int, int], ...]:
     the 32-block tower's ~570 kernels (run 38, H100), and the GPU waits for it. In parts, each
     next part is prepared while the GPU runs the previous one: the first part is short (2 blocks)
     so the GPU starts early, the later ones longer (2, 6, then the rest in equal parts; 4 parts:
-    0-2, 2-8, 8-20, 20-32). Run 45: 4 parts take 4-5 ms less per call than one (see
+    0-2, 2-8, 8-20, 20-32). Run 45: 4 parts take 3-5 ms less per call than one (see
     ``DEFAULT_VIT_PARTS``); the values are bit-equal whatever the parts."""
     raw = os.environ.get("DSV41_VIT_PARTS", str(DEFAULT_VIT_PARTS))
     try:
