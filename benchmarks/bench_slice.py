@@ -726,7 +726,7 @@ def bench_prefill(model, cfg, lengths, mm_tflop_s=None, batch: int = 1, reuse: b
             jax.block_until_ready(lg)
             first = time.perf_counter() - t0
             ts = []
-            for _ in range(5):  # the median of five (run 44: a process's first rows read 0.4-0.7 ms slow)
+            for _ in range(5):  # the median of five, every call kept in the row (each_s)
                 a = args()
                 jax.block_until_ready(a[1:])
                 t1 = time.perf_counter()
@@ -777,8 +777,9 @@ def _prefill_reused(fn, a, row, fresh_cache, logits):
             ts.append(time.perf_counter() - t1)
     run = float(np.median(ts))
     same = bool(np.array_equal(np.asarray(prev), np.asarray(logits)))
-    out = dict(row, what="prefill_reused", seconds=run, each_s=[round(t, 6) for t in ts], tokens_per_s=row["tokens_per_s"] * row["seconds"] / run,
-               cache_addresses=len(addrs), same_logits=same, first_call_s=None, compile_s=None)
+    out = dict(row, what="prefill_reused", seconds=run, each_s=[round(t, 6) for t in ts],
+               tokens_per_s=row["tokens_per_s"] * row["seconds"] / run, cache_addresses=len(addrs),
+               same_logits=same, first_call_s=None, compile_s=None)
     if "mfu" in row:
         out["mfu"] = row["mfu"] * row["seconds"] / run
     emit(**out)
